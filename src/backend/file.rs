@@ -1,0 +1,156 @@
+//! `flock` on a local file: the zero-dependency backend for one host and the quickstart.
+//!
+//! The kernel frees a `flock` when the last descriptor of the open file closes, i.e. when the guard
+//! dies, so there is no expiry to reason about. The descriptor is close-on-exec so the app never
+//! inherits it. What the kernel cannot see is the path being deleted or replaced while held: a new
+//! guard would lock a new file. The guard watches for that and treats it as a lost lock.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
+use tracing::info;
+
+use super::{Acquisition, HeldLock, LockError, LockLoss, LockRequest, LossReason};
+use crate::holder::Holder;
+
+/// How often to retry when the path was replaced between opening and locking it.
+const OPEN_ATTEMPTS: usize = 5;
+
+pub fn try_acquire(path: &Path, request: &LockRequest<'_>) -> Result<Acquisition, LockError> {
+    for _ in 0..OPEN_ATTEMPTS {
+        let file = open(path)?;
+        let mut locked = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(locked) => locked,
+            Err((mut file, Errno::EWOULDBLOCK)) => {
+                return Ok(Acquisition::HeldElsewhere(describe_holder(&mut file)));
+            }
+            Err((_, errno)) => {
+                return Err(LockError::Refused(format!(
+                    "flock {}: {errno}",
+                    path.display()
+                )));
+            }
+        };
+        // Another guard may have locked, then lost, a file that was unlinked after we opened it.
+        let identity = FileIdentity::of(&locked.metadata().map_err(|e| io_error(path, e))?);
+        if FileIdentity::at(path) != Some(identity) {
+            continue;
+        }
+        write_holder(&mut locked, request.holder).map_err(|e| io_error(path, e))?;
+        info!(path = %path.display(), "file lock acquired");
+        return Ok(Acquisition::Acquired(HeldLock::File(FileLock {
+            file: locked,
+            path: path.to_owned(),
+            identity,
+            check_interval: request.timings.check_interval,
+        })));
+    }
+    Err(LockError::Unsafe(format!(
+        "{} keeps being replaced while the guard locks it",
+        path.display()
+    )))
+}
+
+/// std opens every file with O_CLOEXEC, which the lock relies on: an app that inherited the descriptor
+/// would keep the lock alive after the guard died.
+fn open(path: &Path) -> Result<File, LockError> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o644)
+        .open(path)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => LockError::Refused(format!(
+                "{}: the directory {} does not exist",
+                path.display(),
+                path.parent()
+                    .map(Path::display)
+                    .map(|d| d.to_string())
+                    .unwrap_or_default()
+            )),
+            _ => io_error(path, e),
+        })
+}
+
+fn io_error(path: &Path, e: std::io::Error) -> LockError {
+    LockError::Refused(format!("{}: {e}", path.display()))
+}
+
+fn describe_holder(file: &mut File) -> String {
+    let mut text = String::new();
+    let _ = file.read_to_string(&mut text);
+    match Holder::parse(&text) {
+        Some(holder) => holder.to_string(),
+        None => "unknown (the holder has not written its identity yet)".to_owned(),
+    }
+}
+
+fn write_holder(file: &mut File, holder: &Holder) -> std::io::Result<()> {
+    file.set_len(0)?;
+    file.seek(SeekFrom::Start(0))?;
+    writeln!(file, "{holder}")?;
+    file.flush()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileIdentity {
+    dev: u64,
+    ino: u64,
+}
+
+impl FileIdentity {
+    fn of(meta: &std::fs::Metadata) -> FileIdentity {
+        FileIdentity {
+            dev: meta.dev(),
+            ino: meta.ino(),
+        }
+    }
+
+    fn at(path: &Path) -> Option<FileIdentity> {
+        std::fs::metadata(path).ok().map(|m| FileIdentity::of(&m))
+    }
+}
+
+pub struct FileLock {
+    file: Flock<File>,
+    path: PathBuf,
+    identity: FileIdentity,
+    check_interval: std::time::Duration,
+}
+
+impl FileLock {
+    pub async fn lost(&mut self) -> LockLoss {
+        let mut ticks = tokio::time::interval(self.check_interval);
+        loop {
+            ticks.tick().await;
+            let reason = match std::fs::metadata(&self.path) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => LossReason::LockFileDeleted,
+                Ok(meta) if FileIdentity::of(&meta) != self.identity => {
+                    LossReason::LockFileReplaced
+                }
+                _ => continue,
+            };
+            return LockLoss {
+                reason,
+                detail: format!("{} no longer names the locked file", self.path.display()),
+            };
+        }
+    }
+
+    pub fn release(self) -> Result<(), LockError> {
+        // Never unlink: a contender may already have the inode open and would lock a file no one else
+        // can find. Emptying it keeps a stale identity from being reported as the holder.
+        let _ = self.file.set_len(0);
+        self.file.unlock().map_err(|(_, errno)| {
+            LockError::Refused(format!("unlock {}: {errno}", self.path.display()))
+        })?;
+        info!(path = %self.path.display(), "file lock released");
+        Ok(())
+    }
+}

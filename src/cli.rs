@@ -1,0 +1,111 @@
+//! Raw command-line flags and environment variables, exactly as the operator wrote them.
+//!
+//! Nothing here decides anything: `config::Config::from_cli` turns these into a validated
+//! configuration, so every rule lives in one place.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "sentinel-guard",
+    version,
+    about = "Run a command as a singleton: take a lock, start the command, stop it the moment the lock is lost",
+    after_help = "Exit codes: the app's code (128+N if it died of signal N), 1 (--held-exit-code) lock held elsewhere, \
+2 usage, 69 backend unreachable or unsafe, 75 lock lost while the app ran, 124 --max-runtime expired, \
+126/127 command not executable/not found.\n\
+SINGLE_INSTANCE_GUARD=false runs the command without any lock (local development only)."
+)]
+pub struct Cli {
+    /// Lock backend URL: mysql://user:pass@host:port/db or file:///abs/path.lock
+    #[arg(
+        short = 'u',
+        long,
+        env = "SENTINEL_GUARD_URL",
+        hide_env_values = true,
+        conflicts_with = "url_file"
+    )]
+    pub url: Option<String>,
+
+    /// Read the backend URL from this file (Docker/Kubernetes secrets); one trailing newline is trimmed
+    #[arg(long, env = "SENTINEL_GUARD_URL_FILE", value_name = "PATH")]
+    pub url_file: Option<PathBuf>,
+
+    /// Lock name: 1-64 characters of [A-Za-z0-9._:/-]
+    #[arg(short = 'n', long, env = "SENTINEL_GUARD_NAME")]
+    pub name: String,
+
+    /// Exit code when another instance holds the lock (the command is never started)
+    #[arg(
+        long,
+        env = "SENTINEL_GUARD_HELD_EXIT_CODE",
+        default_value_t = 1,
+        value_name = "N"
+    )]
+    pub held_exit_code: u8,
+
+    /// Time between the stop signal and SIGKILL whenever the guard stops the command
+    #[arg(long, env = "SENTINEL_GUARD_GRACE_PERIOD", default_value = "10s", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub grace_period: Duration,
+
+    /// Signal that asks the command to stop: TERM, SIGTERM or 15
+    #[arg(
+        long,
+        env = "SENTINEL_GUARD_STOP_SIGNAL",
+        default_value = "SIGTERM",
+        value_name = "SIG"
+    )]
+    pub stop_signal: String,
+
+    /// How often ownership of the lock is re-proved
+    #[arg(long, env = "SENTINEL_GUARD_CHECK_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub check_interval: Duration,
+
+    /// A check slower than this means the lock is lost
+    #[arg(long, env = "SENTINEL_GUARD_CHECK_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub check_timeout: Duration,
+
+    /// How long to wait for the backend connection at start-up
+    #[arg(long, env = "SENTINEL_GUARD_CONNECT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub connect_timeout: Duration,
+
+    /// Where forwarded signals go: the command's whole process group, or the command alone
+    #[arg(long, env = "SENTINEL_GUARD_FORWARD_TO", value_enum, default_value_t = ForwardTo::Group)]
+    pub forward_to: ForwardTo,
+
+    /// Rewrite the command's exit status, e.g. 143=0 so a clean `docker stop` reads as success (repeatable)
+    #[arg(
+        long,
+        env = "SENTINEL_GUARD_EXIT_CODE_MAP",
+        value_delimiter = ',',
+        value_name = "FROM=TO"
+    )]
+    pub exit_code_map: Vec<String>,
+
+    /// Stop the command gracefully after this long and exit 124 (watchdog for cron-style jobs)
+    #[arg(long, env = "SENTINEL_GUARD_MAX_RUNTIME", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub max_runtime: Option<Duration>,
+
+    /// Log format on stderr; the level is set with SENTINEL_GUARD_LOG (tracing filter syntax)
+    #[arg(long, env = "SENTINEL_GUARD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+
+    /// The command to supervise, run without a shell
+    #[arg(last = true, required = true, value_name = "COMMAND")]
+    pub command: Vec<OsString>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ForwardTo {
+    Group,
+    Child,
+}

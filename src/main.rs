@@ -1,0 +1,71 @@
+//! sentinel-guard: parse and validate the configuration, run the guard on a single-threaded runtime,
+//! and turn how the run ended into an exit code.
+
+mod backend;
+mod cli;
+mod config;
+mod holder;
+mod outcome;
+mod run;
+mod supervisor;
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+use crate::cli::{Cli, LogFormat};
+use crate::config::Config;
+use crate::outcome::{Outcome, EXIT_INTERNAL, EXIT_USAGE};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let guard_switch =
+        std::env::var_os("SINGLE_INSTANCE_GUARD").map(|v| v.to_string_lossy().into_owned());
+    let config = match Config::from_cli(cli, guard_switch.as_deref()) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("sentinel-guard: error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    init_logging(config.log_format);
+    match guard(&config) {
+        Ok(outcome) => {
+            ExitCode::from(outcome.exit_code(config.held_exit_code, &config.exit_code_map))
+        }
+        Err(e) => {
+            tracing::error!(lock = %config.name, error = format!("{e:#}"), "guard failed");
+            ExitCode::from(EXIT_INTERNAL)
+        }
+    }
+}
+
+/// Runs on the main thread: the app is spawned from it, and its PR_SET_PDEATHSIG is tied to the
+/// spawning thread, which must therefore live as long as the guard.
+fn guard(config: &Config) -> anyhow::Result<Outcome> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    Ok(runtime.block_on(run::run(config)))
+}
+
+fn init_logging(format: LogFormat) {
+    let filter =
+        EnvFilter::try_from_env("SENTINEL_GUARD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .init(),
+    }
+}

@@ -1,0 +1,81 @@
+//! How a run ended, and the one table that turns that into the guard's exit code.
+
+use crate::config::ExitCodeMap;
+use crate::supervisor::AppStatus;
+
+pub const EXIT_USAGE: u8 = 2;
+pub const EXIT_UNAVAILABLE: u8 = 69;
+pub const EXIT_INTERNAL: u8 = 70;
+pub const EXIT_LOCK_LOST: u8 = 75;
+pub const EXIT_MAX_RUNTIME: u8 = 124;
+pub const EXIT_NOT_EXECUTABLE: u8 = 126;
+pub const EXIT_NOT_FOUND: u8 = 127;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The app ran and ended on its own or after a forwarded signal.
+    AppExited(AppStatus),
+    /// Another instance holds the lock; the app was never started.
+    HeldElsewhere,
+    /// The backend could not be reached, refused the guard, or is unsafe; the app was never started.
+    Unavailable,
+    /// The lock was lost while the app ran; the app was stopped.
+    LockLost,
+    /// `--max-runtime` expired; the app was stopped.
+    MaxRuntime,
+    /// The command does not exist.
+    NotFound,
+    /// The command exists but cannot be executed.
+    NotExecutable,
+    /// A signal asked the guard to stop before the app was started.
+    StoppedBeforeStart(i32),
+    /// The guard itself could not set up (signal handlers, runtime).
+    Internal,
+}
+
+impl Outcome {
+    pub fn exit_code(self, held_exit_code: u8, map: &ExitCodeMap) -> u8 {
+        match self {
+            Outcome::AppExited(status) => map.apply(status.code()),
+            Outcome::HeldElsewhere => held_exit_code,
+            Outcome::Unavailable => EXIT_UNAVAILABLE,
+            Outcome::LockLost => EXIT_LOCK_LOST,
+            Outcome::MaxRuntime => EXIT_MAX_RUNTIME,
+            Outcome::NotFound => EXIT_NOT_FOUND,
+            Outcome::NotExecutable => EXIT_NOT_EXECUTABLE,
+            Outcome::StoppedBeforeStart(signal) => AppStatus::Signaled(signal).code(),
+            Outcome::Internal => EXIT_INTERNAL,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_codes_follow_the_documented_table() {
+        let map = ExitCodeMap::parse(&["143=0".into()]).unwrap();
+        let none = ExitCodeMap::default();
+        assert_eq!(
+            Outcome::AppExited(AppStatus::Exited(7)).exit_code(1, &none),
+            7
+        );
+        assert_eq!(
+            Outcome::AppExited(AppStatus::Signaled(9)).exit_code(1, &none),
+            137
+        );
+        assert_eq!(
+            Outcome::AppExited(AppStatus::Signaled(15)).exit_code(1, &map),
+            0
+        );
+        assert_eq!(Outcome::HeldElsewhere.exit_code(1, &map), 1);
+        assert_eq!(Outcome::HeldElsewhere.exit_code(3, &map), 3);
+        assert_eq!(Outcome::Unavailable.exit_code(1, &map), 69);
+        assert_eq!(Outcome::LockLost.exit_code(1, &map), 75);
+        assert_eq!(Outcome::MaxRuntime.exit_code(1, &map), 124);
+        assert_eq!(Outcome::NotExecutable.exit_code(1, &map), 126);
+        assert_eq!(Outcome::NotFound.exit_code(1, &map), 127);
+        assert_eq!(Outcome::StoppedBeforeStart(15).exit_code(1, &map), 143);
+    }
+}

@@ -1,0 +1,183 @@
+//! The guard's life: take the lock, start the app, then wait for whichever comes first of the app
+//! ending, the lock being lost, a signal, or the max runtime; tear the app's tree down; release.
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tokio::time::{sleep_until, Instant};
+use tracing::{error, info, info_span, warn, Instrument};
+
+use crate::backend::{self, Acquisition, HeldLock, LockRequest};
+use crate::config::Config;
+use crate::holder::Holder;
+use crate::outcome::Outcome;
+use crate::supervisor::{
+    self, is_shutdown, signal_name, AppEnv, SignalEvents, SpawnError, StartError, Supervisor,
+};
+
+/// Variables the app must never see: they may carry the backend's credentials.
+const HIDDEN_FROM_APP: &[&str] = &["SENTINEL_GUARD_URL", "SENTINEL_GUARD_URL_FILE"];
+
+pub async fn run(config: &Config) -> Outcome {
+    let holder = Holder::of_this_process();
+    let backend = config.target.as_ref().map_or("none", |t| t.backend_name());
+    let span = info_span!("guard", lock = %config.name, backend, holder_id = %holder.id);
+    let outcome = Guard {
+        config,
+        holder: &holder,
+        backend,
+    }
+    .run()
+    .instrument(span.clone())
+    .await;
+    span.in_scope(|| {
+        let exit_code = outcome.exit_code(config.held_exit_code, &config.exit_code_map);
+        info!(?outcome, exit_code, "guard exiting");
+    });
+    outcome
+}
+
+struct Guard<'a> {
+    config: &'a Config,
+    holder: &'a Holder,
+    backend: &'static str,
+}
+
+impl Guard<'_> {
+    async fn run(self) -> Outcome {
+        // Handlers first: from here on no signal kills the guard and no child goes unreaped.
+        let mut signals = match SignalEvents::register() {
+            Ok(signals) => signals,
+            Err(e) => {
+                error!(error = %e, "cannot install signal handlers");
+                return Outcome::Internal;
+            }
+        };
+        if let Err(e) = supervisor::become_subreaper() {
+            error!(error = %e, "cannot become child subreaper; orphans of the app could escape teardown");
+            return Outcome::Internal;
+        }
+        let Some(target) = &self.config.target else {
+            warn!(
+                "SINGLE_INSTANCE_GUARD=false: running the app WITHOUT ANY LOCK; several copies may run at once. \
+                 Never use this in production."
+            );
+            return self.supervise(None, &mut signals).await;
+        };
+        let request = LockRequest {
+            name: &self.config.name,
+            timings: &self.config.timings,
+            holder: self.holder,
+        };
+        let attempt = tokio::select! {
+            attempt = backend::try_acquire(target, &request) => attempt,
+            signal = signals.next() => {
+                warn!(signal = %signal_name(signal), "stopped before the lock was taken; the app was not started");
+                return Outcome::StoppedBeforeStart(signal);
+            }
+        };
+        match attempt {
+            Ok(Acquisition::Acquired(held)) => self.supervise(Some(held), &mut signals).await,
+            Ok(Acquisition::HeldElsewhere(holder)) => {
+                warn!(
+                    holder = %holder,
+                    exit_code = self.config.held_exit_code,
+                    "lock is held by another instance; the app was not started"
+                );
+                Outcome::HeldElsewhere
+            }
+            Err(e) => {
+                error!(error = %e, "cannot take the lock; the app was not started");
+                Outcome::Unavailable
+            }
+        }
+    }
+
+    async fn supervise(&self, mut held: Option<HeldLock>, signals: &mut SignalEvents) -> Outcome {
+        let config = self.config;
+        let env = AppEnv {
+            remove: HIDDEN_FROM_APP,
+            set: vec![
+                ("SENTINEL_GUARD_NAME", config.name.to_string()),
+                ("SENTINEL_GUARD_BACKEND", self.backend.to_owned()),
+                ("SENTINEL_GUARD_HOLDER_ID", self.holder.id.clone()),
+            ],
+        };
+        let mut app = match Supervisor::start(&config.command, &env, config.forward_to) {
+            Ok(app) => app,
+            Err(e) => {
+                error!(error = %e, "app not started");
+                release(held).await;
+                return match e {
+                    StartError::Spawn(SpawnError::NotFound { .. }) => Outcome::NotFound,
+                    StartError::Spawn(SpawnError::NotExecutable { .. }) => Outcome::NotExecutable,
+                    StartError::Setup(_) => Outcome::Internal,
+                };
+            }
+        };
+        let max_runtime_at = config.max_runtime.map(|d| Instant::now() + d);
+        let mut kill_at: Option<Instant> = None;
+        let grace = config.timings.grace_period;
+        loop {
+            tokio::select! {
+                status = app.app_exit() => {
+                    info!(app_pid = app.app_pid().as_raw(), %status, "app ended");
+                    app.stop_tree(config.stop_signal, grace).await;
+                    release(held).await;
+                    return Outcome::AppExited(status);
+                }
+                loss = lost(&mut held) => {
+                    error!(
+                        reason = %loss.reason,
+                        detail = %loss.detail,
+                        app_pid = app.app_pid().as_raw(),
+                        "lock lost; stopping the app"
+                    );
+                    app.stop_tree(config.stop_signal, grace).await;
+                    info!(status = ?app.app_status().map(|s| s.to_string()), "app stopped after lock loss");
+                    return Outcome::LockLost;
+                }
+                signal = signals.next() => {
+                    app.forward(signal);
+                    if is_shutdown(signal) && kill_at.is_none() {
+                        kill_at = Some(Instant::now() + grace);
+                    }
+                }
+                _ = at(kill_at) => {
+                    warn!(grace = %humantime::format_duration(grace), "app still running after the grace period; sending SIGKILL");
+                    app.stop_tree(Signal::SIGKILL, Duration::ZERO).await;
+                    kill_at = None;
+                }
+                _ = at(max_runtime_at) => {
+                    warn!(max_runtime = ?config.max_runtime.map(|d| humantime::format_duration(d).to_string()), "max runtime reached; stopping the app");
+                    app.stop_tree(config.stop_signal, grace).await;
+                    info!(status = ?app.app_status().map(|s| s.to_string()), "app stopped after max runtime");
+                    release(held).await;
+                    return Outcome::MaxRuntime;
+                }
+            }
+        }
+    }
+}
+
+async fn lost(held: &mut Option<HeldLock>) -> backend::LockLoss {
+    match held {
+        Some(lock) => lock.lost().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn at(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn release(held: Option<HeldLock>) {
+    if let Some(lock) = held {
+        if let Err(e) = lock.release().await {
+            warn!(error = %e, "lock release failed; the backend frees it when the guard's connection closes");
+        }
+    }
+}

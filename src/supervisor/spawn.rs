@@ -1,0 +1,80 @@
+//! Starting the app: no shell, its own process group, killed with the guard, clean signal state.
+
+use std::ffi::OsString;
+use std::io;
+use std::os::fd::BorrowedFd;
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+
+use nix::sys::prctl;
+use nix::sys::signal::{raise, sigprocmask, SigSet, SigmaskHow, Signal};
+use nix::unistd::{getpid, getppid, isatty, setpgid, tcsetpgrp, Pid};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum SpawnError {
+    #[error("command not found: {command}")]
+    NotFound { command: String },
+    #[error("command cannot be executed: {command}: {source}")]
+    NotExecutable { command: String, source: io::Error },
+}
+
+/// The environment the app gets: the guard's own, minus what must not leak, plus what it adds.
+pub struct AppEnv<'a> {
+    pub remove: &'a [&'a str],
+    pub set: Vec<(&'static str, String)>,
+}
+
+/// Spawns the app and returns its pid, which is also its process group id.
+///
+/// Must run on the thread that lives as long as the guard: `PR_SET_PDEATHSIG` fires when the
+/// spawning *thread* exits, not the process.
+pub fn spawn(command: &[OsString], env: &AppEnv<'_>) -> Result<Pid, SpawnError> {
+    let (program, args) = command.split_first().expect("clap requires a command");
+    let mut cmd = Command::new(program);
+    cmd.args(args);
+    for key in env.remove {
+        cmd.env_remove(key);
+    }
+    for (key, value) in &env.set {
+        cmd.env(key, value);
+    }
+    let guard_pid = getpid();
+    // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system calls;
+    // it allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || prepare_child(guard_pid));
+    }
+    let describe = || program.to_string_lossy().into_owned();
+    match cmd.spawn() {
+        Ok(child) => Ok(Pid::from_raw(child.id() as i32)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(SpawnError::NotFound {
+            command: describe(),
+        }),
+        Err(e) => Err(SpawnError::NotExecutable {
+            command: describe(),
+            source: e,
+        }),
+    }
+}
+
+fn prepare_child(guard_pid: Pid) -> io::Result<()> {
+    // Its own group, so one signal reaches the app and everything it forks.
+    setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
+    prctl::set_pdeathsig(Signal::SIGKILL)?;
+    // The guard may have died between fork and prctl; then no death signal will ever come.
+    if getppid() != guard_pid {
+        let _ = raise(Signal::SIGKILL);
+    }
+    // SAFETY: fd 0 stays open for the duration of this call.
+    let stdin = unsafe { BorrowedFd::borrow_raw(0) };
+    if isatty(stdin).unwrap_or(false) {
+        // Take the terminal's foreground so Ctrl-C reaches the app. From a background group that
+        // raises SIGTTOU unless blocked; ENOTTY/ENXIO (no controlling terminal) are fine to ignore.
+        let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::all()), None);
+        let _ = tcsetpgrp(stdin, getpid());
+    }
+    // Handlers reset at exec, but a blocked mask would be inherited: the app starts with none.
+    sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
+    Ok(())
+}
