@@ -1,0 +1,241 @@
+//! The command-line contract: validation before any I/O, exit codes, the unguarded switch, and what
+//! the app's environment may contain.
+
+mod common;
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A listener whose accept queue tells whether the guard tried to connect.
+fn listener() -> (TcpListener, String) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let url = format!(
+        "mysql://u:topsecret-77@127.0.0.1:{}/db",
+        listener.local_addr().unwrap().port()
+    );
+    (listener, url)
+}
+
+#[test]
+fn each_bad_input_exits_2_names_it_and_contacts_nothing() {
+    let (listener, url) = listener();
+    let url = url.as_str();
+    let cases: &[(&[&str], &str)] = &[
+        (&["--name", "has space"], "--name"),
+        (&["--name", &"x".repeat(65)], "--name"),
+        (
+            &["--name", "ok", "--grace-period", "ten seconds"],
+            "--grace-period",
+        ),
+        (
+            &["--name", "ok", "--check-interval", "10ms"],
+            "--check-interval",
+        ),
+        (&["--name", "ok", "--check-timeout", "5"], "--check-timeout"),
+        (
+            &["--name", "ok", "--connect-timeout", "0s"],
+            "--connect-timeout",
+        ),
+        (
+            &["--name", "ok", "--stop-signal", "SIGNOPE"],
+            "--stop-signal",
+        ),
+        (
+            &["--name", "ok", "--held-exit-code", "256"],
+            "--held-exit-code",
+        ),
+        (&["--name", "ok", "--log-format", "xml"], "--log-format"),
+        (
+            &["--name", "ok", "--exit-code-map", "143"],
+            "--exit-code-map",
+        ),
+        (
+            &["--name", "ok", "--grace-period", "1000years"],
+            "grace-period",
+        ),
+    ];
+    let mut lab = Lab::new();
+    for (extra, named) in cases {
+        let mut args = vec!["--url", url];
+        args.extend_from_slice(extra);
+        let (code, log) = lab.run(&args, &["true"], Duration::from_secs(5));
+        assert_eq!(code, 2, "{extra:?}: {log}");
+        assert!(
+            log.contains(named),
+            "{extra:?}: message does not name {named}: {log}"
+        );
+        assert!(!log.contains("topsecret-77"), "{log}");
+    }
+    for url in [
+        "redis-ish://x",
+        "not a url",
+        "file://elsewhere/x.lock",
+        "mysql://u@h:3306/db?bogus=1",
+    ] {
+        let (code, log) = lab.run(
+            &["--url", url, "--name", "ok"],
+            &["true"],
+            Duration::from_secs(5),
+        );
+        assert_eq!(code, 2, "{url}: {log}");
+        assert!(log.contains("--url"), "{url}: {log}");
+    }
+    let mut cmd = lab.command(&["--url", url, "--name", "ok"], &["true"]);
+    cmd.env("SINGLE_INSTANCE_GUARD", "perhaps");
+    let mut guard = lab.start(cmd);
+    assert_eq!(guard.code(Duration::from_secs(5)), 2);
+    assert!(guard.log_text().contains("SINGLE_INSTANCE_GUARD"));
+    let (code, log) = lab.run(&["--name", "ok"], &["true"], Duration::from_secs(5));
+    assert_eq!(code, 2);
+    assert!(log.contains("--url"), "{log}");
+    let (code, _) = lab.run(&["--url", url, "--name", "ok"], &[], Duration::from_secs(5));
+    assert_eq!(code, 2, "a command is required");
+
+    assert!(
+        listener.accept().is_err(),
+        "the guard connected despite a configuration error"
+    );
+}
+
+#[test]
+fn unresponsive_server_exits_69_within_connect_timeout() {
+    // The kernel completes the TCP handshake from the backlog, but no MySQL greeting ever comes.
+    let (_listener, url) = listener();
+    let mut lab = Lab::new();
+    let started = Instant::now();
+    let (code, log) = lab.run(
+        &["--url", &url, "--name", "ok", "--connect-timeout", "500ms"],
+        &["true"],
+        Duration::from_secs(10),
+    );
+    assert_eq!(code, 69, "{log}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(!log.contains("topsecret-77"), "{log}");
+    assert!(log.contains("u:***@"), "{log}");
+}
+
+#[test]
+fn refused_connection_exits_69() {
+    let port = free_port();
+    let mut lab = Lab::new();
+    let url = format!("mysql://u:p@127.0.0.1:{port}/db");
+    let (code, log) = lab.run(
+        &["--url", &url, "--name", "ok"],
+        &["true"],
+        Duration::from_secs(10),
+    );
+    assert_eq!(code, 69, "{log}");
+}
+
+#[test]
+fn exit_status_passes_through() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("codes.lock");
+    let cases: &[(&[&str], i32)] = &[
+        (&["sh", "-c", "exit 7"], 7),
+        (&["sh", "-c", "kill -9 $$"], 137),
+        (&["sh", "-c", "kill -15 $$"], 143),
+        (&["/"], 126),
+        (&["/definitely/not/here"], 127),
+        (&["definitely-not-on-path-xyz"], 127),
+    ];
+    for (app, expected) in cases {
+        let (code, log) = lab.run(
+            &["--url", &url, "--name", "codes"],
+            app,
+            Duration::from_secs(5),
+        );
+        assert_eq!(code, *expected, "{app:?}: {log}");
+    }
+    let (_, log) = lab.run(
+        &["--url", &url, "--name", "codes"],
+        &["definitely-not-on-path-xyz"],
+        Duration::from_secs(5),
+    );
+    assert!(
+        log.contains("definitely-not-on-path-xyz"),
+        "127 must name the command: {log}"
+    );
+}
+
+#[test]
+fn unguarded_mode_runs_the_app_while_the_lock_is_held_elsewhere() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("held.lock");
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let _holder = lab.spawn(
+        &["--url", &url, "--name", "dev"],
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    read_pid(&pidfile, Duration::from_secs(5));
+
+    let env_dump = lab.path("env");
+    let mut cmd = lab.command(
+        &["--name", "dev"],
+        &["sh", "-c", &format!("env > {}", env_dump.display())],
+    );
+    cmd.env("SINGLE_INSTANCE_GUARD", "FALSE")
+        .env("SENTINEL_GUARD_URL", &url);
+    let mut guard = lab.start(cmd);
+    assert_eq!(
+        guard.code(Duration::from_secs(5)),
+        0,
+        "{}",
+        guard.log_text()
+    );
+    assert!(
+        guard.log_text().contains("WITHOUT ANY LOCK"),
+        "{}",
+        guard.log_text()
+    );
+    let env = std::fs::read_to_string(&env_dump).unwrap();
+    assert!(env.contains("SENTINEL_GUARD_BACKEND=none"), "{env}");
+    assert!(!env.contains("SENTINEL_GUARD_URL"), "{env}");
+}
+
+#[test]
+fn the_app_gets_identity_but_never_the_url() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("env.lock");
+    let url_file = lab.path("url");
+    std::fs::write(&url_file, format!("{url}\n")).unwrap();
+    let env_dump = lab.path("env");
+    let mut cmd = lab.command(
+        &["--name", "envcheck"],
+        &["sh", "-c", &format!("env > {}", env_dump.display())],
+    );
+    cmd.env("SENTINEL_GUARD_URL_FILE", &url_file);
+    let mut guard = lab.start(cmd);
+    assert_eq!(
+        guard.code(Duration::from_secs(5)),
+        0,
+        "{}",
+        guard.log_text()
+    );
+    let env = std::fs::read_to_string(&env_dump).unwrap();
+    assert!(env.contains("SENTINEL_GUARD_NAME=envcheck"), "{env}");
+    assert!(env.contains("SENTINEL_GUARD_BACKEND=file"), "{env}");
+    assert!(env.contains("SENTINEL_GUARD_HOLDER_ID="), "{env}");
+    assert!(!env.contains("SENTINEL_GUARD_URL"), "{env}");
+
+    let (code, log) = lab.run(
+        &[
+            "--url",
+            &url,
+            "--url-file",
+            url_file.to_str().unwrap(),
+            "--name",
+            "x",
+        ],
+        &["true"],
+        Duration::from_secs(5),
+    );
+    assert_eq!(code, 2, "--url and --url-file conflict: {log}");
+}

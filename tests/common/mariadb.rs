@@ -1,0 +1,171 @@
+//! A private `mariadbd` on a free loopback port, in its own temp dir, so a test can kill, pause and
+//! restart it without touching anything else.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use super::{free_port, wait_until, TempDir};
+
+pub const USER: &str = "guard";
+pub const PASSWORD: &str = "guard-secret-pw-5ee1";
+
+/// One initialised data directory per build, copied for every server: `mariadb-install-db` takes
+/// seconds, a copy a fraction of that.
+fn template() -> &'static Path {
+    static TEMPLATE: OnceLock<PathBuf> = OnceLock::new();
+    TEMPLATE.get_or_init(|| {
+        let root = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        let ready = root.join("mariadb-template");
+        if ready.join("mysql").is_dir() {
+            return ready;
+        }
+        let staging = root.join(format!("mariadb-template.{}", std::process::id()));
+        let _ = fs::remove_dir_all(&staging);
+        let output = Command::new("mariadb-install-db")
+            .args([
+                "--no-defaults",
+                "--user=root",
+                "--auth-root-authentication-method=normal",
+                "--skip-test-db",
+            ])
+            .arg(format!("--datadir={}", staging.display()))
+            .output()
+            .expect("mariadb-install-db is not installed (apt-get install mariadb-server)");
+        assert!(
+            output.status.success(),
+            "mariadb-install-db failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        // Another test process may have won the race; either copy is as good.
+        if fs::rename(&staging, &ready).is_err() {
+            let _ = fs::remove_dir_all(&staging);
+        }
+        ready
+    })
+}
+
+pub struct MariaDb {
+    dir: TempDir,
+    pub port: u16,
+    process: Option<Child>,
+}
+
+impl MariaDb {
+    pub fn start() -> MariaDb {
+        let dir = tempfile::tempdir().unwrap();
+        let status = Command::new("cp")
+            .arg("-a")
+            .arg(format!("{}/.", template().display()))
+            .arg(dir.path().join("data"))
+            .status()
+            .unwrap();
+        assert!(status.success());
+        fs::write(
+            dir.path().join("init.sql"),
+            format!(
+                "CREATE USER IF NOT EXISTS '{USER}'@'%' IDENTIFIED BY '{PASSWORD}';\n\
+                 GRANT ALL ON *.* TO '{USER}'@'%';\n"
+            ),
+        )
+        .unwrap();
+        let mut server = MariaDb {
+            dir,
+            port: free_port(),
+            process: None,
+        };
+        server.boot();
+        server
+    }
+
+    fn boot(&mut self) {
+        let d = self.dir.path();
+        let child = Command::new("mariadbd")
+            .arg("--no-defaults")
+            .arg("--user=root")
+            .arg(format!("--datadir={}", d.join("data").display()))
+            .arg(format!("--socket={}", self.socket().display()))
+            .arg(format!("--port={}", self.port))
+            .arg("--bind-address=127.0.0.1")
+            .arg("--skip-name-resolve")
+            .arg(format!("--init-file={}", d.join("init.sql").display()))
+            .arg(format!("--log-error={}", d.join("error.log").display()))
+            .arg(format!("--pid-file={}", d.join("mariadb.pid").display()))
+            .arg("--innodb-buffer-pool-size=16M")
+            .arg("--skip-log-bin")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("mariadbd is not installed (apt-get install mariadb-server)");
+        self.process = Some(child);
+        let up = wait_until(Duration::from_secs(30), || {
+            self.try_sql("SELECT 1").is_some()
+        });
+        assert!(
+            up,
+            "mariadbd did not start: {}",
+            fs::read_to_string(d.join("error.log")).unwrap_or_default()
+        );
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.path().join("mysqld.sock")
+    }
+
+    pub fn url(&self) -> String {
+        format!("mysql://{USER}:{PASSWORD}@127.0.0.1:{}/mysql", self.port)
+    }
+
+    pub fn url_with_port(&self, port: u16) -> String {
+        format!("mysql://{USER}:{PASSWORD}@127.0.0.1:{port}/mysql")
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.process.as_ref().expect("server is running").id() as i32
+    }
+
+    fn try_sql(&self, sql: &str) -> Option<String> {
+        let out = Command::new("mariadb")
+            .arg(format!("--socket={}", self.socket().display()))
+            .args(["-uroot", "-N", "-B", "-e", sql])
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    }
+
+    /// Runs SQL as root over the private socket; panics on failure.
+    pub fn sql(&self, sql: &str) -> String {
+        self.try_sql(sql)
+            .unwrap_or_else(|| panic!("query failed: {sql}"))
+    }
+
+    /// The connection id holding `name`, if any.
+    pub fn holder_of(&self, name: &str) -> Option<u64> {
+        self.sql(&format!("SELECT IS_USED_LOCK('{name}')"))
+            .parse()
+            .ok()
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.process.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    pub fn restart(&mut self) {
+        self.kill9();
+        self.boot();
+    }
+}
+
+impl Drop for MariaDb {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}

@@ -1,0 +1,233 @@
+//! Shared test helpers: private MariaDB servers, the guard command builder, app scripts that leave
+//! observable traces, and waiting on conditions with deadlines.
+#![allow(dead_code)] // each test binary uses a different subset
+
+pub mod mariadb;
+pub mod proxy;
+
+use std::fs;
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+pub use tempfile::TempDir;
+
+pub const GUARD: &str = env!("CARGO_BIN_EXE_sentinel-guard");
+
+/// Fast timings so fault tests finish in seconds.
+pub const FAST: &[&str] = &[
+    "--check-interval",
+    "200ms",
+    "--check-timeout",
+    "800ms",
+    "--grace-period",
+    "2s",
+    "--connect-timeout",
+    "3s",
+];
+
+/// `FAST`, with any flag that `overrides` also sets taken from `overrides`.
+pub fn fast_with<'a>(overrides: &[&'a str]) -> Vec<&'a str> {
+    let mut v: Vec<&str> = FAST
+        .chunks(2)
+        .filter(|pair| !overrides.contains(&pair[0]))
+        .flatten()
+        .copied()
+        .collect();
+    v.extend_from_slice(overrides);
+    v
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Polls `condition` until it holds or `limit` passes; returns whether it held.
+pub fn wait_until(limit: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A guard process under test, with its stderr captured to a file.
+pub struct GuardProcess {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl GuardProcess {
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Waits for the guard to exit; panics with its log if it does not within `limit`.
+    pub fn wait(&mut self, limit: Duration) -> ExitStatus {
+        let mut status = None;
+        let done = wait_until(limit, || {
+            status = self.child.try_wait().unwrap();
+            status.is_some()
+        });
+        assert!(
+            done,
+            "guard did not exit within {limit:?}; log:\n{}",
+            self.log_text()
+        );
+        status.unwrap()
+    }
+
+    pub fn code(&mut self, limit: Duration) -> i32 {
+        let status = self.wait(limit);
+        status.code().unwrap_or_else(|| {
+            panic!(
+                "guard died of a signal: {status:?}; log:\n{}",
+                self.log_text()
+            )
+        })
+    }
+
+    pub fn log_text(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn signal(&self, signal: i32) {
+        send(self.pid(), signal);
+    }
+}
+
+impl Drop for GuardProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn send(pid: i32, signal: i32) {
+    let status = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{signal} {pid} failed");
+}
+
+/// Builds guard invocations that share a scratch directory for logs and app traces.
+pub struct Lab {
+    pub dir: TempDir,
+    started: usize,
+}
+
+impl Lab {
+    pub fn new() -> Lab {
+        Lab {
+            dir: tempfile::tempdir().unwrap(),
+            started: 0,
+        }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    pub fn file_url(&self, name: &str) -> String {
+        format!("file://{}", self.path(name).display())
+    }
+
+    /// A command line: `sentinel-guard <args> -- <app...>`, environment cleaned of the guard's own vars.
+    pub fn command(&self, args: &[&str], app: &[&str]) -> Command {
+        let mut cmd = Command::new(GUARD);
+        cmd.args(args).arg("--").args(app);
+        for (key, _) in std::env::vars() {
+            if key.starts_with("SENTINEL_GUARD_") || key == "SINGLE_INSTANCE_GUARD" {
+                cmd.env_remove(key);
+            }
+        }
+        cmd.stdin(Stdio::null()).stdout(Stdio::null());
+        cmd
+    }
+
+    pub fn start(&mut self, mut cmd: Command) -> GuardProcess {
+        self.started += 1;
+        let log = self.path(&format!("guard-{}.log", self.started));
+        cmd.stderr(fs::File::create(&log).unwrap());
+        GuardProcess {
+            child: cmd.spawn().unwrap(),
+            log,
+        }
+    }
+
+    pub fn spawn(&mut self, args: &[&str], app: &[&str]) -> GuardProcess {
+        let cmd = self.command(args, app);
+        self.start(cmd)
+    }
+
+    /// Runs to completion and returns (exit code, stderr).
+    pub fn run(&mut self, args: &[&str], app: &[&str], limit: Duration) -> (i32, String) {
+        let mut guard = self.spawn(args, app);
+        let code = guard.code(limit);
+        (code, guard.log_text())
+    }
+}
+
+/// An app that records `start <pid>` in `trace`, writes its pid to `pidfile`, and on the stop signal
+/// records `stop <pid>` and exits 0.
+pub fn recording_app(trace: &Path, pidfile: &Path) -> Vec<String> {
+    let script = format!(
+        "echo $$ > {pid}.tmp && mv {pid}.tmp {pid}; echo start $$ >> {trace}; \
+         trap 'echo stop $$ >> {trace}; exit 0' TERM; while :; do sleep 0.05; done",
+        pid = pidfile.display(),
+        trace = trace.display()
+    );
+    vec!["sh".into(), "-c".into(), script]
+}
+
+pub fn as_strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+pub fn read_pid(pidfile: &Path, limit: Duration) -> i32 {
+    let mut pid = None;
+    let found = wait_until(limit, || {
+        pid = fs::read_to_string(pidfile)
+            .ok()
+            .and_then(|s| s.trim().parse().ok());
+        pid.is_some()
+    });
+    assert!(found, "no pid in {} within {limit:?}", pidfile.display());
+    pid.unwrap()
+}
+
+/// Alive and not a zombie.
+pub fn alive(pid: i32) -> bool {
+    let mut stat = String::new();
+    match fs::File::open(format!("/proc/{pid}/stat")) {
+        Ok(mut f) => {
+            let _ = f.read_to_string(&mut stat);
+        }
+        Err(_) => return false,
+    }
+    let state = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.trim_start().chars().next());
+    !matches!(state, Some(Some('Z')) | Some(Some('X')) | None)
+}
+
+pub fn trace_lines(trace: &Path) -> Vec<String> {
+    fs::read_to_string(trace)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}

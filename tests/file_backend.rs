@@ -1,0 +1,125 @@
+//! The file backend: `flock` contention, guard death, and the lock file vanishing while held.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+fn args<'a>(url: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["--url", url, "--name", "filelock"];
+    v.extend(fast_with(extra));
+    v
+}
+
+#[test]
+fn second_instance_exits_with_the_held_code_and_names_the_holder() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("app.lock");
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut first = lab.spawn(&args(&url, &[]), &as_strs(&recording_app(&trace, &pidfile)));
+    read_pid(&pidfile, Duration::from_secs(5));
+
+    let marker = lab.path("second-ran");
+    let (code, log) = lab.run(
+        &args(&url, &[]),
+        &["touch", marker.to_str().unwrap()],
+        Duration::from_secs(5),
+    );
+    assert_eq!(code, 1, "{log}");
+    assert!(
+        log.contains(&format!("pid={}", first.pid())),
+        "holder not named: {log}"
+    );
+    let (code, _) = lab.run(
+        &args(&url, &["--held-exit-code", "3"]),
+        &["touch", marker.to_str().unwrap()],
+        Duration::from_secs(5),
+    );
+    assert_eq!(code, 3);
+    assert!(!marker.exists(), "a refused guard must never start its app");
+
+    first.signal(15);
+    assert_eq!(first.code(Duration::from_secs(5)), 0);
+    let (code, log) = lab.run(
+        &args(&url, &[]),
+        &["touch", marker.to_str().unwrap()],
+        Duration::from_secs(5),
+    );
+    assert_eq!(code, 0, "lock not free after the first guard ended: {log}");
+    assert!(marker.exists());
+}
+
+#[test]
+fn sigkill_of_the_guard_kills_the_app_and_frees_the_lock() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("app.lock");
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut guard = lab.spawn(&args(&url, &[]), &as_strs(&recording_app(&trace, &pidfile)));
+    let app = read_pid(&pidfile, Duration::from_secs(5));
+    guard.signal(9);
+    guard.wait(Duration::from_secs(5));
+    assert!(
+        wait_until(Duration::from_secs(2), || !alive(app)),
+        "app outlived its SIGKILLed guard"
+    );
+    let (code, log) = lab.run(&args(&url, &[]), &["true"], Duration::from_secs(5));
+    assert_eq!(code, 0, "{log}");
+}
+
+#[test]
+fn deleting_the_lock_file_is_a_lost_lock() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("app.lock");
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut guard = lab.spawn(&args(&url, &[]), &as_strs(&recording_app(&trace, &pidfile)));
+    let app = read_pid(&pidfile, Duration::from_secs(5));
+    std::fs::remove_file(lab.path("app.lock")).unwrap();
+    assert_eq!(
+        guard.code(Duration::from_secs(5)),
+        75,
+        "{}",
+        guard.log_text()
+    );
+    assert!(
+        guard.log_text().contains("reason=lock_file_deleted"),
+        "{}",
+        guard.log_text()
+    );
+    assert!(trace_lines(&trace).contains(&format!("stop {app}")));
+    assert!(!alive(app));
+}
+
+#[test]
+fn replacing_the_lock_file_is_a_lost_lock() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("app.lock");
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut guard = lab.spawn(&args(&url, &[]), &as_strs(&recording_app(&trace, &pidfile)));
+    read_pid(&pidfile, Duration::from_secs(5));
+    std::fs::write(lab.path("new.lock"), "").unwrap();
+    std::fs::rename(lab.path("new.lock"), lab.path("app.lock")).unwrap();
+    assert_eq!(
+        guard.code(Duration::from_secs(5)),
+        75,
+        "{}",
+        guard.log_text()
+    );
+    assert!(
+        guard.log_text().contains("reason=lock_file_replaced"),
+        "{}",
+        guard.log_text()
+    );
+}
+
+#[test]
+fn missing_lock_directory_exits_69_and_names_it() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("no-such-dir/app.lock");
+    let (code, log) = lab.run(&args(&url, &[]), &["true"], Duration::from_secs(5));
+    assert_eq!(code, 69, "{log}");
+    assert!(
+        log.contains("no-such-dir") && log.contains("does not exist"),
+        "{log}"
+    );
+}

@@ -1,0 +1,304 @@
+//! The MySQL/MariaDB backend against a private, real MariaDB server, with real faults.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::mariadb::{MariaDb, PASSWORD};
+use common::proxy::Proxy;
+use common::*;
+
+const SIGKILL: i32 = 9;
+const SIGSTOP: i32 = 19;
+const SIGCONT: i32 = 18;
+
+fn args<'a>(url: &'a str, name: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["--url", url, "--name", name];
+    v.extend(fast_with(extra));
+    v
+}
+
+#[test]
+fn second_instance_exits_1_names_the_holder_and_never_starts_its_app() {
+    let db = MariaDb::start();
+    let mut lab = Lab::new();
+    let url = db.url();
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut first = lab.spawn(
+        &args(&url, "billing", &[]),
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    read_pid(&pidfile, Duration::from_secs(10));
+
+    let marker = lab.path("second-ran");
+    let (code, log) = lab.run(
+        &args(&url, "billing", &[]),
+        &["sh", "-c", &format!("touch {}", marker.display())],
+        Duration::from_secs(10),
+    );
+    assert_eq!(code, 1, "{log}");
+    assert!(!marker.exists(), "the second app must never start");
+    assert!(
+        log.contains("connection_id="),
+        "holder not described: {log}"
+    );
+    assert!(
+        log.contains(&format!("pid={}", first.pid())),
+        "holder's guard not named: {log}"
+    );
+
+    first.signal(15);
+    assert_eq!(
+        first.code(Duration::from_secs(10)),
+        0,
+        "app traps TERM and exits 0"
+    );
+    assert_eq!(
+        db.holder_of("billing"),
+        None,
+        "lock released after the app ended"
+    );
+}
+
+#[test]
+fn sigkill_of_the_guard_kills_the_app_and_frees_the_lock() {
+    let db = MariaDb::start();
+    let mut lab = Lab::new();
+    let url = db.url();
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut guard = lab.spawn(
+        &args(&url, "sigkill", &[]),
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    let app = read_pid(&pidfile, Duration::from_secs(10));
+    assert!(db.holder_of("sigkill").is_some());
+
+    guard.signal(SIGKILL);
+    guard.wait(Duration::from_secs(5));
+    assert!(
+        wait_until(Duration::from_secs(2), || !alive(app)),
+        "app {app} outlived its SIGKILLed guard"
+    );
+    assert!(
+        wait_until(Duration::from_secs(5), || db.holder_of("sigkill").is_none()),
+        "the server did not free the lock of a dead guard"
+    );
+}
+
+/// Detection must not depend on --check-interval: a 30s interval still notices within a second.
+fn assert_fault_stops_app_fast(db: &mut MariaDb, name: &str, fault: impl FnOnce(&mut MariaDb)) {
+    let mut lab = Lab::new();
+    let url = db.url();
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut guard = lab.spawn(
+        &args(&url, name, &["--check-interval", "30s"]),
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    let app = read_pid(&pidfile, Duration::from_secs(10));
+    // The outstanding check must be on the wire before the fault.
+    assert!(wait_until(Duration::from_secs(5), || db.sql(
+        "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE INFO LIKE 'SELECT SLEEP%'"
+    ) == "1"));
+
+    let faulted = Instant::now();
+    fault(db);
+    assert!(
+        wait_until(Duration::from_secs(1), || trace_lines(&trace)
+            .contains(&format!("stop {app}"))),
+        "app not asked to stop within 1s of the fault; log:\n{}",
+        guard.log_text()
+    );
+    let detected = faulted.elapsed();
+    assert_eq!(
+        guard.code(Duration::from_secs(10)),
+        75,
+        "{}",
+        guard.log_text()
+    );
+    assert!(!alive(app));
+    assert!(
+        guard.log_text().contains("reason=connection_closed"),
+        "{}",
+        guard.log_text()
+    );
+    eprintln!("{name}: app stopped {detected:?} after the fault");
+}
+
+#[test]
+fn kill_of_the_connection_stops_the_app_with_exit_75() {
+    let mut db = MariaDb::start();
+    assert_fault_stops_app_fast(&mut db, "conn-kill", |db| {
+        let id = db.holder_of("conn-kill").expect("lock held");
+        db.sql(&format!("KILL {id}"));
+    });
+}
+
+#[test]
+fn sigkilled_server_stops_the_app_with_exit_75() {
+    let mut db = MariaDb::start();
+    assert_fault_stops_app_fast(&mut db, "server-death", MariaDb::kill9);
+}
+
+#[test]
+fn silent_partition_stops_the_app_before_the_server_frees_the_lock() {
+    let db = MariaDb::start();
+    let proxy = Proxy::start(db.port);
+    let mut lab = Lab::new();
+    let proxied = db.url_with_port(proxy.port);
+    let direct = db.url();
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut guard = lab.spawn(
+        &args(&proxied, "partition", &[]),
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    let app = read_pid(&pidfile, Duration::from_secs(10));
+
+    let partitioned = Instant::now();
+    proxy.partition();
+    // While the first app lives, a guard that reaches the server directly must be refused.
+    while alive(app) {
+        let (code, log) = lab.run(
+            &args(&direct, "partition", &[]),
+            &["true"],
+            Duration::from_secs(10),
+        );
+        if alive(app) {
+            assert_eq!(
+                code, 1,
+                "a second guard acquired while the first app was alive: {log}"
+            );
+        }
+        assert!(
+            partitioned.elapsed() < Duration::from_secs(5),
+            "app not stopped within detection + grace"
+        );
+    }
+    // Detection bound is check-interval 200ms + check-timeout 800ms; the app traps TERM at once.
+    let stopped = partitioned.elapsed();
+    assert!(
+        stopped < Duration::from_millis(2500),
+        "app stopped only after {stopped:?}"
+    );
+    assert_eq!(guard.code(Duration::from_secs(10)), 75);
+    assert!(
+        guard.log_text().contains("reason=check_timeout"),
+        "{}",
+        guard.log_text()
+    );
+
+    // The server frees the silent connection's lock after wait_timeout = ceil(0.2+0.8+2+5) = 8s.
+    let freed = wait_until(Duration::from_secs(20), || {
+        db.holder_of("partition").is_none()
+    });
+    assert!(freed, "the server kept the lock of a partitioned guard");
+    let freed_after = partitioned.elapsed();
+    assert!(
+        freed_after >= Duration::from_secs(7),
+        "server freed the lock after only {freed_after:?}"
+    );
+}
+
+#[test]
+fn twenty_guards_started_at_once_run_exactly_one_app() {
+    let db = MariaDb::start();
+    let mut lab = Lab::new();
+    let url = db.url();
+    let trace = lab.path("trace");
+    let mut guards: Vec<_> = (0..20)
+        .map(|i| {
+            let pidfile = lab.path(&format!("pid-{i}"));
+            lab.spawn(
+                &args(&url, "herd", &[]),
+                &as_strs(&recording_app(&trace, &pidfile)),
+            )
+        })
+        .collect();
+    let mut refused = 0;
+    let mut leader = None;
+    for (i, guard) in guards.iter_mut().enumerate() {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if let Some(status) = guard.child.try_wait().unwrap() {
+                assert_eq!(status.code(), Some(1), "{}", guard.log_text());
+                refused += 1;
+                break;
+            }
+            if lab.path(&format!("pid-{i}")).exists() {
+                assert!(leader.replace(i).is_none(), "two apps started");
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "guard {i} neither ran nor exited"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    assert_eq!(refused, 19);
+    assert_eq!(
+        trace_lines(&trace)
+            .iter()
+            .filter(|l| l.starts_with("start"))
+            .count(),
+        1
+    );
+    let leader = leader.expect("one app runs");
+    guards[leader].signal(15);
+    assert_eq!(guards[leader].code(Duration::from_secs(10)), 0);
+}
+
+#[test]
+fn wrong_password_exits_69_and_never_prints_the_password() {
+    let db = MariaDb::start();
+    let mut lab = Lab::new();
+    let wrong = "not-the-pw-9c1f";
+    let url = format!("mysql://guard:{wrong}@127.0.0.1:{}/mysql", db.port);
+    let (code, log) = lab.run(&args(&url, "auth", &[]), &["true"], Duration::from_secs(10));
+    assert_eq!(code, 69, "{log}");
+    assert!(log.contains("Access denied"), "{log}");
+    assert!(
+        !log.contains(wrong) && !log.contains(PASSWORD),
+        "password leaked: {log}"
+    );
+    assert!(log.contains("guard:***@"), "{log}");
+}
+
+#[test]
+fn read_only_server_is_refused_with_69() {
+    let db = MariaDb::start();
+    db.sql("SET GLOBAL read_only = 1");
+    let mut lab = Lab::new();
+    let marker = lab.path("ran");
+    let (code, log) = lab.run(
+        &args(&db.url(), "replica", &[]),
+        &["touch", marker.to_str().unwrap()],
+        Duration::from_secs(10),
+    );
+    assert_eq!(code, 69, "{log}");
+    assert!(log.contains("read_only"), "{log}");
+    assert!(!marker.exists());
+}
+
+#[test]
+fn sigstopped_server_is_a_check_timeout() {
+    let mut db = MariaDb::start();
+    let mut lab = Lab::new();
+    let url = db.url();
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut guard = lab.spawn(
+        &args(&url, "paused", &[]),
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    let app = read_pid(&pidfile, Duration::from_secs(10));
+    send(db.pid(), SIGSTOP);
+    let code = guard.code(Duration::from_secs(10));
+    send(db.pid(), SIGCONT);
+    assert_eq!(code, 75, "{}", guard.log_text());
+    assert!(
+        guard.log_text().contains("reason=check_timeout"),
+        "{}",
+        guard.log_text()
+    );
+    assert!(trace_lines(&trace).contains(&format!("stop {app}")));
+    db.kill9();
+}
