@@ -69,8 +69,27 @@ pub struct GuardProcess {
 }
 
 impl GuardProcess {
+    /// The guard's pid as this test sees it; under `unshare` it is the child of the unshare process.
     pub fn pid(&self) -> i32 {
-        self.child.id() as i32
+        let spawned = self.child.id() as i32;
+        let children = |pid: i32| {
+            fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default()
+        };
+        let is_unshare = fs::read_to_string(format!("/proc/{spawned}/comm"))
+            .is_ok_and(|c| c.trim() == "unshare");
+        if !is_unshare {
+            return spawned;
+        }
+        let mut pid = None;
+        let found = wait_until(Duration::from_secs(5), || {
+            pid = children(spawned)
+                .split_whitespace()
+                .next()
+                .and_then(|p| p.parse().ok());
+            pid.is_some()
+        });
+        assert!(found, "unshare started no guard");
+        pid.unwrap()
     }
 
     /// Waits for the guard to exit; panics with its log if it does not within `limit`.
@@ -158,6 +177,26 @@ impl Lab {
         cmd
     }
 
+    /// The same command line, with the guard as PID 1 of a new PID namespace, as in a container.
+    pub fn command_as_pid1(&self, args: &[&str], app: &[&str]) -> Command {
+        let cmd = self.command(args, app);
+        let program = cmd.get_program().to_owned();
+        let argv: Vec<_> = cmd.get_args().map(|a| a.to_owned()).collect();
+        let mut wrapped = Command::new("unshare");
+        wrapped
+            .args(["--pid", "--fork", "--mount-proc", "--kill-child"])
+            .arg(program)
+            .args(argv);
+        for (key, value) in cmd.get_envs() {
+            match value {
+                Some(value) => wrapped.env(key, value),
+                None => wrapped.env_remove(key),
+            };
+        }
+        wrapped.stdin(Stdio::null()).stdout(Stdio::null());
+        wrapped
+    }
+
     pub fn start(&mut self, mut cmd: Command) -> GuardProcess {
         self.started += 1;
         let log = self.path(&format!("guard-{}.log", self.started));
@@ -207,6 +246,95 @@ pub fn read_pid(pidfile: &Path, limit: Duration) -> i32 {
     });
     assert!(found, "no pid in {} within {limit:?}", pidfile.display());
     pid.unwrap()
+}
+
+/// A single-process app that appends the name of each listed signal it receives to `trace` and exits
+/// 0 on the last one. The signals are blocked and taken with sigwait, so job-control signals are
+/// recorded instead of stopping it (a shell would be stopped through its `sleep` child).
+pub fn signal_recorder(trace: &Path, ready: &Path, signals: &[&str]) -> Vec<String> {
+    let script = r#"
+import signal, sys
+trace, ready, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+wanted = [getattr(signal, "SIG" + n) for n in names]
+signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+open(ready, "w").close()
+while True:
+    got = signal.sigwait(wanted)
+    with open(trace, "a") as f:
+        f.write(signal.Signals(got).name[3:] + "\n")
+    if got == wanted[-1]:
+        sys.exit(0)
+"#;
+    let mut argv = vec!["python3".to_owned(), "-c".to_owned(), script.to_owned()];
+    argv.push(trace.display().to_string());
+    argv.push(ready.display().to_string());
+    argv.extend(signals.iter().map(|s| s.to_string()));
+    argv
+}
+
+/// Translates a pid a process wrote from inside the guard's PID namespace into the pid this test
+/// sees, by finding the descendant of `guard` whose last NSpid entry is `inner`.
+pub fn outer_pid(guard: i32, inner: i32) -> i32 {
+    let Ok(dir) = fs::read_dir("/proc") else {
+        return inner;
+    };
+    for entry in dir.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let status = fs::read_to_string(entry.path().join("status")).unwrap_or_default();
+        let nspid: Vec<i32> = status
+            .lines()
+            .find_map(|l| l.strip_prefix("NSpid:"))
+            .map(|l| {
+                l.split_whitespace()
+                    .filter_map(|p| p.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if nspid.len() > 1 && nspid.last() == Some(&inner) && descends_from(pid, guard) {
+            return pid;
+        }
+    }
+    inner
+}
+
+fn descends_from(mut pid: i32, ancestor: i32) -> bool {
+    while pid > 1 {
+        if pid == ancestor {
+            return true;
+        }
+        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let Some(ppid) = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse().ok())
+        else {
+            return false;
+        };
+        pid = ppid;
+    }
+    false
+}
+
+/// Children of `parent` that have exited but were not reaped.
+pub fn zombie_children(parent: i32) -> usize {
+    let Ok(dir) = fs::read_dir("/proc") else {
+        return 0;
+    };
+    dir.flatten()
+        .filter_map(|e| fs::read_to_string(e.path().join("stat")).ok())
+        .filter(|stat| {
+            let Some((_, rest)) = stat.rsplit_once(')') else {
+                return false;
+            };
+            let mut fields = rest.split_whitespace();
+            fields.next() == Some("Z") && fields.next() == Some(parent.to_string().as_str())
+        })
+        .count()
 }
 
 /// Alive and not a zombie.
