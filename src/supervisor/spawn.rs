@@ -8,7 +8,7 @@ use std::process::Command;
 
 use nix::sys::prctl;
 use nix::sys::signal::{raise, sigprocmask, SigSet, SigmaskHow, Signal};
-use nix::unistd::{getpid, getppid, isatty, setpgid, tcsetpgrp, Pid};
+use nix::unistd::{getpgrp, getpid, getppid, isatty, setpgid, tcgetpgrp, tcsetpgrp, Pid};
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -40,10 +40,11 @@ pub fn spawn(command: &[OsString], env: &AppEnv<'_>) -> Result<Pid, SpawnError> 
         cmd.env(key, value);
     }
     let guard_pid = getpid();
+    let take_foreground = owns_terminal_foreground();
     // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system calls;
     // it allocates nothing.
     unsafe {
-        cmd.pre_exec(move || prepare_child(guard_pid));
+        cmd.pre_exec(move || prepare_child(guard_pid, take_foreground));
     }
     let describe = || program.to_string_lossy().into_owned();
     match cmd.spawn() {
@@ -58,7 +59,15 @@ pub fn spawn(command: &[OsString], env: &AppEnv<'_>) -> Result<Pid, SpawnError> 
     }
 }
 
-fn prepare_child(guard_pid: Pid) -> io::Result<()> {
+/// Whether stdin is a terminal whose foreground is the guard's own group. Only then does the app take
+/// the foreground: a guard started in the background of an interactive shell must not steal it.
+fn owns_terminal_foreground() -> bool {
+    // SAFETY: fd 0 stays open for the duration of this call.
+    let stdin = unsafe { BorrowedFd::borrow_raw(0) };
+    isatty(stdin).unwrap_or(false) && tcgetpgrp(stdin).ok() == Some(getpgrp())
+}
+
+fn prepare_child(guard_pid: Pid, take_foreground: bool) -> io::Result<()> {
     // Its own group, so one signal reaches the app and everything it forks.
     setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
     prctl::set_pdeathsig(Signal::SIGKILL)?;
@@ -66,13 +75,12 @@ fn prepare_child(guard_pid: Pid) -> io::Result<()> {
     if getppid() != guard_pid {
         let _ = raise(Signal::SIGKILL);
     }
-    // SAFETY: fd 0 stays open for the duration of this call.
-    let stdin = unsafe { BorrowedFd::borrow_raw(0) };
-    if isatty(stdin).unwrap_or(false) {
+    if take_foreground {
         // Take the terminal's foreground so Ctrl-C reaches the app. From a background group that
         // raises SIGTTOU unless blocked; ENOTTY/ENXIO (no controlling terminal) are fine to ignore.
         let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::all()), None);
-        let _ = tcsetpgrp(stdin, getpid());
+        // SAFETY: fd 0 stays open for the duration of this call.
+        let _ = tcsetpgrp(unsafe { BorrowedFd::borrow_raw(0) }, getpid());
     }
     // Handlers reset at exec, but a blocked mask would be inherited: the app starts with none.
     sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;

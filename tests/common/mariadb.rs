@@ -12,6 +12,15 @@ use super::{free_port, wait_until, TempDir};
 pub const USER: &str = "guard";
 pub const PASSWORD: &str = "guard-secret-pw-5ee1";
 
+/// Debian installs the server in /usr/sbin, which a non-login PATH may lack.
+fn program(name: &str) -> PathBuf {
+    ["/usr/sbin", "/usr/bin", "/usr/local/sbin", "/usr/local/bin"]
+        .iter()
+        .map(|dir| Path::new(dir).join(name))
+        .find(|path| path.exists())
+        .unwrap_or_else(|| PathBuf::from(name))
+}
+
 /// One initialised data directory per build, copied for every server: `mariadb-install-db` takes
 /// seconds, a copy a fraction of that.
 fn template() -> &'static Path {
@@ -24,7 +33,7 @@ fn template() -> &'static Path {
         }
         let staging = root.join(format!("mariadb-template.{}", std::process::id()));
         let _ = fs::remove_dir_all(&staging);
-        let output = Command::new("mariadb-install-db")
+        let output = Command::new(program("mariadb-install-db"))
             .args([
                 "--no-defaults",
                 "--user=root",
@@ -82,7 +91,7 @@ impl MariaDb {
 
     fn boot(&mut self) {
         let d = self.dir.path();
-        let child = Command::new("mariadbd")
+        let child = Command::new(program("mariadbd"))
             .arg("--no-defaults")
             .arg("--user=root")
             .arg(format!("--datadir={}", d.join("data").display()))
@@ -128,7 +137,7 @@ impl MariaDb {
     }
 
     fn try_sql(&self, sql: &str) -> Option<String> {
-        let out = Command::new("mariadb")
+        let out = Command::new(program("mariadb"))
             .arg(format!("--socket={}", self.socket().display()))
             .args(["-uroot", "-N", "-B", "-e", sql])
             .output()
