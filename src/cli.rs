@@ -20,7 +20,7 @@ use clap::{Parser, ValueEnum};
 SINGLE_INSTANCE_GUARD=false runs the command without any lock (local development only)."
 )]
 pub struct Cli {
-    /// Lock backend URL: mysql://user:pass@host:port/db or file:///abs/path.lock
+    /// Lock backend URL: mysql://user:pass@host:port/db, redis[s]://[user:pass@]host:port[/db] or file:///abs/path.lock
     #[arg(
         short = 'u',
         long,
@@ -71,6 +71,23 @@ pub struct Cli {
     /// How long to wait for the backend connection at start-up
     #[arg(long, env = "SENTINEL_GUARD_CONNECT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub connect_timeout: Duration,
+
+    /// Redis lease duration; a lease not renewed for this long expires
+    #[arg(long, env = "SENTINEL_GUARD_TTL", default_value = "30s", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub ttl: Duration,
+
+    /// How often the Redis lease is renewed [default: ttl/3]
+    #[arg(long, env = "SENTINEL_GUARD_RENEW_INTERVAL", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub renew_interval: Option<Duration>,
+
+    /// Prefix of the Redis keys: <prefix>:{<name>}, <prefix>:{<name>}:fence, <prefix>:{<name>}:released
+    #[arg(
+        long,
+        env = "SENTINEL_GUARD_REDIS_PREFIX",
+        default_value = "sentinel-guard",
+        value_name = "P"
+    )]
+    pub redis_prefix: String,
 
     /// Where forwarded signals go: the command's whole process group, or the command alone
     #[arg(long, env = "SENTINEL_GUARD_FORWARD_TO", value_enum, default_value_t = ForwardTo::Group)]

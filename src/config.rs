@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
+use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -54,7 +55,10 @@ impl Config {
             (None, Some(path)) => Some(read_url_file(path)?),
             (None, None) => None,
         };
-        let target = raw_url.as_deref().map(Target::parse).transpose()?;
+        let target = raw_url
+            .as_deref()
+            .map(|raw| Target::parse(raw, &cli.redis_prefix))
+            .transpose()?;
         if guarded && target.is_none() {
             return Err(invalid(
                 "no lock backend: set --url or --url-file (SENTINEL_GUARD_URL / SENTINEL_GUARD_URL_FILE), \
@@ -66,6 +70,8 @@ impl Config {
             check_timeout: cli.check_timeout,
             connect_timeout: cli.connect_timeout,
             grace_period: cli.grace_period,
+            ttl: cli.ttl,
+            renew_interval: cli.renew_interval.unwrap_or(cli.ttl / 3),
         };
         timings.validate(target.as_ref())?;
         if cli.max_runtime == Some(Duration::ZERO) {
@@ -149,34 +155,88 @@ impl std::fmt::Display for LockName {
 #[derive(Debug)]
 pub enum Target {
     Mysql(MysqlTarget),
+    Redis(Box<RedisTarget>),
     File(PathBuf),
 }
 
 #[derive(Debug, Clone)]
 pub struct MysqlTarget {
     pub opts: mysql_async::Opts,
-    /// The URL with its password replaced, the only form that may be printed.
-    pub redacted_url: String,
-    /// The password, so that any text that echoes it back can be scrubbed before printing.
-    pub password: Option<String>,
+    pub url: RedactedUrl,
+}
+
+#[derive(Debug, Clone)]
+pub struct RedisTarget {
+    pub client: redis::Client,
+    pub url: RedactedUrl,
+    /// Keys are `<prefix>:{<name>}`, `<prefix>:{<name>}:fence` and `<prefix>:{<name>}:released`.
+    pub prefix: String,
+}
+
+/// A backend URL in the only form that may be printed, with what is needed to scrub its password
+/// from any message that echoes it back.
+#[derive(Debug, Clone)]
+pub struct RedactedUrl {
+    shown: String,
+    password: Option<String>,
+}
+
+impl RedactedUrl {
+    fn of(url: &url::Url) -> RedactedUrl {
+        let mut shown = url.clone();
+        if url.password().is_some() {
+            let _ = shown.set_password(Some("***"));
+        }
+        let password = url
+            .password()
+            .map(|p| {
+                percent_encoding::percent_decode_str(p)
+                    .decode_utf8_lossy()
+                    .into_owned()
+            })
+            .filter(|p| !p.is_empty());
+        RedactedUrl {
+            shown: shown.to_string(),
+            password,
+        }
+    }
+
+    /// `message` with every occurrence of the password replaced.
+    pub fn scrub(&self, message: impl fmt::Display) -> String {
+        let message = message.to_string();
+        match &self.password {
+            Some(password) => message.replace(password.as_str(), "***"),
+            None => message,
+        }
+    }
+}
+
+impl fmt::Display for RedactedUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.shown)
+    }
 }
 
 impl Target {
-    pub fn parse(raw: &str) -> Result<Target, ConfigError> {
-        let mut url = url::Url::parse(raw)
-            .map_err(|e| invalid(format!("--url: not a valid URL ({e}); expected mysql://user:pass@host:port/db or file:///abs/path.lock")))?;
+    pub fn parse(raw: &str, redis_prefix: &str) -> Result<Target, ConfigError> {
+        let url = url::Url::parse(raw).map_err(|e| {
+            invalid(format!(
+                "--url: not a valid URL ({e}); expected mysql://, redis://, rediss:// or file:///abs/path.lock"
+            ))
+        })?;
         match url.scheme() {
             "mysql" => {
-                let password = url
-                    .password()
-                    .map(|p| percent_encoding::percent_decode_str(p).decode_utf8_lossy().into_owned());
-                if url.password().is_some() {
-                    let _ = url.set_password(Some("***"));
-                }
-                let redacted_url = url.to_string();
+                let url = RedactedUrl::of(&url);
                 let opts = mysql_async::Opts::from_url(raw)
-                    .map_err(|e| invalid(format!("--url {redacted_url}: {e}")))?;
-                Ok(Target::Mysql(MysqlTarget { opts, redacted_url, password }))
+                    .map_err(|e| invalid(format!("--url {url}: {}", url.scrub(e))))?;
+                Ok(Target::Mysql(MysqlTarget { opts, url }))
+            }
+            "redis" | "rediss" => {
+                let url = RedactedUrl::of(&url);
+                let client =
+                    redis::Client::open(raw).map_err(|e| invalid(format!("--url {url}: {}", url.scrub(e))))?;
+                validate_redis_prefix(redis_prefix)?;
+                Ok(Target::Redis(Box::new(RedisTarget { client, url, prefix: redis_prefix.to_owned() })))
             }
             "file" => {
                 if !matches!(url.host_str(), None | Some("") | Some("localhost")) {
@@ -192,12 +252,8 @@ impl Target {
                 }
                 Ok(Target::File(path))
             }
-            "redis" | "rediss" => Err(invalid(format!(
-                "--url: the {}:// backend is not available in this version; use mysql:// or file://",
-                url.scheme()
-            ))),
             other => Err(invalid(format!(
-                "--url: unsupported scheme {other:?}; expected mysql:// or file://"
+                "--url: unsupported scheme {other:?}; expected mysql://, redis://, rediss:// or file://"
             ))),
         }
     }
@@ -205,22 +261,40 @@ impl Target {
     pub fn backend_name(&self) -> &'static str {
         match self {
             Target::Mysql(_) => "mysql",
+            Target::Redis(_) => "redis",
             Target::File(_) => "file",
         }
     }
+}
+
+/// The prefix must not break the `{name}` hash tag that keeps a lock's keys in one cluster slot.
+fn validate_redis_prefix(prefix: &str) -> Result<(), ConfigError> {
+    if prefix.is_empty()
+        || prefix
+            .chars()
+            .any(|c| c.is_whitespace() || c == '{' || c == '}')
+    {
+        return Err(invalid(format!(
+            "--redis-prefix {prefix:?}: must be non-empty, without spaces or braces"
+        )));
+    }
+    Ok(())
 }
 
 /// The timing knobs and the one inequality they must keep.
 ///
 /// Every duration is measured on the guard's monotonic clock. The guard proves ownership every
 /// `check_interval`; a proof that takes longer than `check_timeout` counts as a lost lock; once the lock
-/// is lost the command gets `grace_period` between the stop signal and SIGKILL.
+/// is lost the command gets `grace_period` between the stop signal and SIGKILL. A Redis lease lasts
+/// `ttl` from the moment its last renewal was sent and is renewed every `renew_interval`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Timings {
     pub check_interval: Duration,
     pub check_timeout: Duration,
     pub connect_timeout: Duration,
     pub grace_period: Duration,
+    pub ttl: Duration,
+    pub renew_interval: Duration,
 }
 
 impl Timings {
@@ -235,6 +309,17 @@ impl Timings {
     pub fn mysql_wait_timeout_secs(&self) -> u64 {
         let needed = self.detection_bound() + self.grace_period + MYSQL_SAFETY_MARGIN;
         needed.as_secs() + u64::from(needed.subsec_nanos() > 0)
+    }
+
+    /// What the guard subtracts from a Redis lease for clock-rate drift between guard and server and
+    /// for its own scheduling: 1% of the ttl plus 100ms.
+    pub fn redis_drift_margin(&self) -> Duration {
+        self.ttl / 100 + Duration::from_millis(100)
+    }
+
+    /// How long after a renewal was sent the guard may rely on the lease.
+    pub fn redis_lease_validity(&self) -> Duration {
+        self.ttl.saturating_sub(self.redis_drift_margin())
     }
 
     pub fn validate(&self, target: Option<&Target>) -> Result<(), ConfigError> {
@@ -269,6 +354,40 @@ impl Timings {
                     show(MYSQL_SAFETY_MARGIN),
                 )));
             }
+        }
+        if let Some(Target::Redis(_)) = target {
+            self.validate_redis_lease()?;
+        }
+        Ok(())
+    }
+
+    /// A renewal attempt starts every renew-interval and gives up after check-timeout; the app must be
+    /// told to stop grace-period before the lease can run out. So one renewal must always fit between
+    /// the last confirmed one and the moment the stop begins.
+    fn validate_redis_lease(&self) -> Result<(), ConfigError> {
+        let show = |d: Duration| humantime::format_duration(d).to_string();
+        if self.renew_interval.is_zero() {
+            return Err(invalid("--renew-interval must be longer than 0s"));
+        }
+        let margin = self.redis_drift_margin();
+        let budget = self
+            .ttl
+            .saturating_sub(margin)
+            .saturating_sub(self.grace_period);
+        let needed = self.renew_interval + self.check_timeout;
+        if self.ttl <= margin + self.grace_period || budget < needed {
+            return Err(invalid(format!(
+                "unsafe redis timings: ttl {} - drift margin {} - grace-period {} = {} must be at least \
+                 renew-interval {} + check-timeout {} = {}, or the app could outlive its lease; \
+                 raise --ttl, or lower --grace-period, --renew-interval or --check-timeout",
+                show(self.ttl),
+                show(margin),
+                show(self.grace_period),
+                show(budget),
+                show(self.renew_interval),
+                show(self.check_timeout),
+                show(needed),
+            )));
         }
         Ok(())
     }
@@ -334,13 +453,50 @@ mod tests {
             check_timeout: Duration::from_millis(timeout),
             connect_timeout: Duration::from_secs(5),
             grace_period: Duration::from_millis(grace),
+            ttl: Duration::from_secs(30),
+            renew_interval: Duration::from_secs(10),
+        }
+    }
+
+    fn lease(ttl: u64, renew: u64, timeout: u64, grace: u64) -> Timings {
+        Timings {
+            ttl: Duration::from_millis(ttl),
+            renew_interval: Duration::from_millis(renew),
+            ..timings(1000, timeout, grace)
         }
     }
 
     #[test]
+    fn redis_lease_must_fit_a_renewal_before_the_stop_begins() {
+        let redis = Target::parse("redis://127.0.0.1:6379", "sg").unwrap();
+        let cases = [
+            // defaults: 30s - 400ms - 10s = 19.6s >= 10s + 2s
+            (lease(30_000, 10_000, 2000, 10_000), true),
+            // 3s - 130ms - 1s = 1.87s >= 500ms + 500ms
+            (lease(3000, 500, 500, 1000), true),
+            // 10s - 200ms - 10s < 0
+            (lease(10_000, 3333, 2000, 10_000), false),
+            // 30s - 400ms - 10s = 19.6s < 18s + 2s
+            (lease(30_000, 18_000, 2000, 10_000), false),
+            (lease(30_000, 0, 2000, 10_000), false),
+        ];
+        for (t, ok) in cases {
+            assert_eq!(t.validate(Some(&redis)).is_ok(), ok, "{t:?}");
+        }
+        let message = lease(10_000, 3333, 2000, 10_000)
+            .validate(Some(&redis))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains("--ttl") && message.contains("10s"),
+            "{message}"
+        );
+    }
+
+    #[test]
     fn timing_rules_accept_safe_configs_and_refuse_unsafe_ones() {
-        let mysql = Target::parse("mysql://u:p@127.0.0.1:3306/db").unwrap();
-        let file = Target::parse("file:///tmp/x.lock").unwrap();
+        let mysql = Target::parse("mysql://u:p@127.0.0.1:3306/db", "sg").unwrap();
+        let file = Target::parse("file:///tmp/x.lock", "sg").unwrap();
         let cases: &[(Timings, Option<&Target>, bool)] = &[
             (timings(1000, 2000, 10_000), Some(&mysql), true),
             (timings(100, 100, 0), Some(&mysql), true),
@@ -395,23 +551,30 @@ mod tests {
     }
 
     #[test]
-    fn mysql_url_is_redacted_and_password_kept_for_scrubbing() {
-        let Target::Mysql(t) = Target::parse("mysql://guard:s%40cret@db:3306/app").unwrap() else {
+    fn urls_are_redacted_and_messages_scrubbed() {
+        let Target::Mysql(t) = Target::parse("mysql://guard:s%40cret@db:3306/app", "sg").unwrap()
+        else {
             panic!("not mysql")
         };
-        assert_eq!(t.redacted_url, "mysql://guard:***@db:3306/app");
-        assert_eq!(t.password.as_deref(), Some("s@cret"));
+        assert_eq!(t.url.to_string(), "mysql://guard:***@db:3306/app");
+        assert_eq!(t.url.scrub("denied for s@cret"), "denied for ***");
+        let Target::Redis(t) = Target::parse("rediss://:hunter2@cache:6380/1", "sg").unwrap()
+        else {
+            panic!("not redis")
+        };
+        assert_eq!(t.url.to_string(), "rediss://:***@cache:6380/1");
+        assert!(Target::parse("redis://h:6379", "bad{prefix}").is_err());
     }
 
     #[test]
     fn file_urls_must_be_absolute_local_files() {
         assert!(matches!(
-            Target::parse("file:///var/lock/x.lock"),
+            Target::parse("file:///var/lock/x.lock", "sg"),
             Ok(Target::File(_))
         ));
-        assert!(Target::parse("file://otherhost/x.lock").is_err());
-        assert!(Target::parse("file:///var/lock/").is_err());
-        assert!(Target::parse("ftp://x/y").is_err());
+        assert!(Target::parse("file://otherhost/x.lock", "sg").is_err());
+        assert!(Target::parse("file:///var/lock/", "sg").is_err());
+        assert!(Target::parse("ftp://x/y", "sg").is_err());
     }
 
     #[test]

@@ -95,13 +95,15 @@ impl Guard<'_> {
 
     async fn supervise(&self, mut held: Option<HeldLock>, signals: &mut SignalEvents) -> Outcome {
         let config = self.config;
+        let mut set = vec![
+            ("SENTINEL_GUARD_NAME", config.name.to_string()),
+            ("SENTINEL_GUARD_BACKEND", self.backend.to_owned()),
+            ("SENTINEL_GUARD_HOLDER_ID", self.holder.id.clone()),
+        ];
+        set.extend(held.iter().flat_map(HeldLock::app_env));
         let env = AppEnv {
             remove: HIDDEN_FROM_APP,
-            set: vec![
-                ("SENTINEL_GUARD_NAME", config.name.to_string()),
-                ("SENTINEL_GUARD_BACKEND", self.backend.to_owned()),
-                ("SENTINEL_GUARD_HOLDER_ID", self.holder.id.clone()),
-            ],
+            set,
         };
         let mut app = match Supervisor::start(&config.command, &env, config.forward_to) {
             Ok(app) => app,

@@ -5,6 +5,8 @@
 
 mod file;
 mod mysql;
+mod redis;
+mod watched;
 
 use std::fmt;
 
@@ -35,6 +37,8 @@ pub enum LossReason {
     CheckTimeout,
     /// The backend answered a check with an error.
     CheckFailed,
+    /// No Redis renewal was confirmed in time: the lease could run out before a stopping app is dead.
+    LeaseExpiring,
     /// The lock file's path no longer exists.
     LockFileDeleted,
     /// The lock file's path now names a different file than the one locked.
@@ -48,6 +52,7 @@ impl LossReason {
             LossReason::NotOwner => "not_owner",
             LossReason::CheckTimeout => "check_timeout",
             LossReason::CheckFailed => "check_failed",
+            LossReason::LeaseExpiring => "lease_expiring",
             LossReason::LockFileDeleted => "lock_file_deleted",
             LossReason::LockFileReplaced => "lock_file_replaced",
         }
@@ -87,20 +92,34 @@ pub async fn try_acquire(
 ) -> Result<Acquisition, LockError> {
     match target {
         Target::Mysql(mysql) => mysql::try_acquire(mysql, request).await,
+        Target::Redis(redis) => redis::try_acquire(redis, request).await,
         Target::File(path) => file::try_acquire(path, request),
     }
 }
 
 pub enum HeldLock {
     Mysql(mysql::MysqlLock),
+    Redis(redis::RedisLock),
     File(file::FileLock),
 }
 
 impl HeldLock {
+    /// What the app learns about this acquisition beyond name, backend and holder id.
+    pub fn app_env(&self) -> Vec<(&'static str, String)> {
+        match self {
+            HeldLock::Redis(lock) => vec![(
+                "SENTINEL_GUARD_FENCING_TOKEN",
+                lock.fencing_token().to_string(),
+            )],
+            HeldLock::Mysql(_) | HeldLock::File(_) => Vec::new(),
+        }
+    }
+
     /// Resolves once the lock is no longer ours. Cancel-safe: may be polled again after a drop.
     pub async fn lost(&mut self) -> LockLoss {
         match self {
             HeldLock::Mysql(lock) => lock.lost().await,
+            HeldLock::Redis(lock) => lock.lost().await,
             HeldLock::File(lock) => lock.lost().await,
         }
     }
@@ -109,6 +128,7 @@ impl HeldLock {
     pub async fn release(self) -> Result<(), LockError> {
         match self {
             HeldLock::Mysql(lock) => lock.release().await,
+            HeldLock::Redis(lock) => lock.release().await,
             HeldLock::File(lock) => lock.release(),
         }
     }

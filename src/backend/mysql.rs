@@ -10,11 +10,10 @@ use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, OptsBuilder};
-use tokio::sync::{oneshot, watch};
-use tokio::task::JoinHandle;
 use tokio::time::timeout;
-use tracing::{debug, info, warn, Instrument};
+use tracing::{debug, info, warn};
 
+use super::watched::{WatchedLock, WatcherEnds};
 use super::{Acquisition, HeldLock, LockError, LockLoss, LockRequest, LossReason};
 use crate::config::MysqlTarget;
 use crate::holder::Holder;
@@ -25,15 +24,6 @@ const ER_CONNECTION_KILLED: u16 = 1927;
 /// How long the guard waits for a side connection that interrupts its own `SLEEP` at release.
 const INTERRUPT_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Replaces the password wherever a driver or server message echoes it back.
-fn scrub(target: &MysqlTarget, message: impl ToString) -> String {
-    let message = message.to_string();
-    match target.password.as_deref() {
-        Some(password) if !password.is_empty() => message.replace(password, "***"),
-        _ => message,
-    }
-}
-
 async fn connect(target: &MysqlTarget, connect_timeout: Duration) -> Result<Conn, LockError> {
     // Connect exactly where the URL says: the driver would otherwise switch to a local socket it
     // discovers on its own, which may be a different server.
@@ -41,18 +31,18 @@ async fn connect(target: &MysqlTarget, connect_timeout: Duration) -> Result<Conn
     match timeout(connect_timeout, Conn::new(opts)).await {
         Err(_) => Err(LockError::Unreachable(format!(
             "no connection to {} within {}",
-            target.redacted_url,
+            target.url,
             humantime::format_duration(connect_timeout)
         ))),
         Ok(Err(mysql_async::Error::Server(e))) => Err(LockError::Refused(format!(
             "{}: {}",
-            target.redacted_url,
-            scrub(target, e)
+            target.url,
+            target.url.scrub(e)
         ))),
         Ok(Err(e)) => Err(LockError::Unreachable(format!(
             "{}: {}",
-            target.redacted_url,
-            scrub(target, e)
+            target.url,
+            target.url.scrub(e)
         ))),
         Ok(Ok(conn)) => Ok(conn),
     }
@@ -60,7 +50,7 @@ async fn connect(target: &MysqlTarget, connect_timeout: Duration) -> Result<Conn
 
 /// Any failure while setting up or taking the lock: the app is never started on such a server.
 fn setup_error(target: &MysqlTarget, e: mysql_async::Error) -> LockError {
-    LockError::Unreachable(format!("{}: {}", target.redacted_url, scrub(target, e)))
+    LockError::Unreachable(format!("{}: {}", target.url, target.url.scrub(e)))
 }
 
 pub async fn try_acquire(
@@ -74,7 +64,7 @@ pub async fn try_acquire(
     let step = |what: &str| {
         LockError::Unreachable(format!(
             "{}: no answer to {what} within {}",
-            target.redacted_url,
+            target.url,
             humantime::format_duration(bounded)
         ))
     };
@@ -147,7 +137,7 @@ async fn refuse_unsafe_server(
         ),
     )
     .await
-    .map_err(|_| LockError::Unreachable(format!("{}: no answer to SHOW GLOBAL VARIABLES", target.redacted_url)))?
+    .map_err(|_| LockError::Unreachable(format!("{}: no answer to SHOW GLOBAL VARIABLES", target.url)))?
     .map_err(|e| setup_error(target, e))?;
     for (variable, value) in vars {
         let on = matches!(value.to_ascii_uppercase().as_str(), "ON" | "1");
@@ -208,16 +198,10 @@ async fn describe_holder(conn: &mut Conn, name: &str, bounded: Duration) -> Stri
 
 /// A held `GET_LOCK`. A task owns the connection and keeps proving ownership until it is told to
 /// release or finds the lock gone.
-pub struct MysqlLock {
-    lost: watch::Receiver<Option<LockLoss>>,
-    release: Option<oneshot::Sender<()>>,
-    watcher: JoinHandle<Result<(), LockError>>,
-}
+pub struct MysqlLock(WatchedLock);
 
 impl MysqlLock {
     fn watch(conn: Conn, target: &MysqlTarget, request: &LockRequest<'_>) -> MysqlLock {
-        let (lost_tx, lost) = watch::channel(None);
-        let (release, release_rx) = oneshot::channel();
         let watcher = Watcher {
             conn_id: conn.id(),
             target: target.clone(),
@@ -225,29 +209,15 @@ impl MysqlLock {
             release_sql: format!("SELECT RELEASE_LOCK('{}')", request.name.as_str()),
             budget: request.timings.detection_bound(),
         };
-        MysqlLock {
-            lost,
-            release: Some(release),
-            watcher: tokio::spawn(watcher.run(conn, lost_tx, release_rx).in_current_span()),
-        }
+        MysqlLock(WatchedLock::spawn(|ends| watcher.run(conn, ends)))
     }
 
     pub async fn lost(&mut self) -> LockLoss {
-        match self.lost.wait_for(Option::is_some).await {
-            Ok(loss) => loss.clone().expect("waited for Some"),
-            // The watcher only ends without a loss after a release, when nobody waits for loss.
-            Err(_) => std::future::pending().await,
-        }
+        self.0.lost().await
     }
 
-    pub async fn release(mut self) -> Result<(), LockError> {
-        if let Some(release) = self.release.take() {
-            let _ = release.send(());
-        }
-        match self.watcher.await {
-            Ok(result) => result,
-            Err(e) => Err(LockError::Unreachable(format!("lock watcher failed: {e}"))),
-        }
+    pub async fn release(self) -> Result<(), LockError> {
+        self.0.release().await
     }
 }
 
@@ -283,12 +253,7 @@ enum Check {
 }
 
 impl Watcher {
-    async fn run(
-        self,
-        mut conn: Conn,
-        lost_tx: watch::Sender<Option<LockLoss>>,
-        mut release_rx: oneshot::Receiver<()>,
-    ) -> Result<(), LockError> {
+    async fn run(self, mut conn: Conn, mut ends: WatcherEnds) -> Result<(), LockError> {
         loop {
             let (check, releasing) = {
                 let check = timeout(
@@ -298,7 +263,7 @@ impl Watcher {
                 tokio::pin!(check);
                 tokio::select! {
                     result = &mut check => (self.judge(result), false),
-                    _ = &mut release_rx => {
+                    _ = &mut ends.release => {
                         self.interrupt_sleep().await;
                         (self.judge(check.await), true)
                     }
@@ -308,7 +273,7 @@ impl Watcher {
                 (Check::Owned, false) => continue,
                 (Check::Owned, true) => return self.release(conn).await,
                 (Check::Lost(loss), _) => {
-                    let _ = lost_tx.send(Some(loss));
+                    ends.report(loss);
                     // A connection that timed out or failed is never reused; dropping it closes it.
                     return Ok(());
                 }
@@ -347,7 +312,7 @@ impl Watcher {
                 } else {
                     LossReason::CheckFailed
                 };
-                lost(reason, scrub(&self.target, e))
+                lost(reason, self.target.url.scrub(e))
             }
         }
     }
@@ -388,7 +353,7 @@ impl Watcher {
             ),
             Ok(Err(e)) => warn!(
                 connection_id = self.conn_id,
-                error = %scrub(&self.target, e),
+                error = %self.target.url.scrub(e),
                 "release_lock failed; closing the connection frees the lock"
             ),
             Err(_) => warn!(

@@ -4,6 +4,7 @@
 
 pub mod mariadb;
 pub mod proxy;
+pub mod redis;
 
 use std::fs;
 use std::io::Read;

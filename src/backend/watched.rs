@@ -1,0 +1,68 @@
+//! A held lock whose ownership a background task keeps proving: the task reports a loss through a
+//! watch channel and is asked to release through a oneshot. Shared by the networked backends.
+
+use std::future::Future;
+
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+use tracing::Instrument;
+
+use super::{LockError, LockLoss};
+
+/// The watcher's side: where to report a loss, and the request to release.
+pub struct WatcherEnds {
+    pub lost: watch::Sender<Option<LockLoss>>,
+    pub release: oneshot::Receiver<()>,
+}
+
+impl WatcherEnds {
+    pub fn report(&self, loss: LockLoss) {
+        let _ = self.lost.send(Some(loss));
+    }
+}
+
+pub struct WatchedLock {
+    lost: watch::Receiver<Option<LockLoss>>,
+    release: Option<oneshot::Sender<()>>,
+    watcher: JoinHandle<Result<(), LockError>>,
+}
+
+impl WatchedLock {
+    /// Starts `watcher` as a task in the caller's tracing span.
+    pub fn spawn<F, Fut>(watcher: F) -> WatchedLock
+    where
+        F: FnOnce(WatcherEnds) -> Fut,
+        Fut: Future<Output = Result<(), LockError>> + Send + 'static,
+    {
+        let (lost_tx, lost) = watch::channel(None);
+        let (release, release_rx) = oneshot::channel();
+        let task = watcher(WatcherEnds {
+            lost: lost_tx,
+            release: release_rx,
+        });
+        WatchedLock {
+            lost,
+            release: Some(release),
+            watcher: tokio::spawn(task.in_current_span()),
+        }
+    }
+
+    /// Resolves once the watcher reports the lock lost. Cancel-safe.
+    pub async fn lost(&mut self) -> LockLoss {
+        match self.lost.wait_for(Option::is_some).await {
+            Ok(loss) => loss.clone().expect("waited for Some"),
+            // The watcher only ends without a loss after a release, when nobody waits for loss.
+            Err(_) => std::future::pending().await,
+        }
+    }
+
+    pub async fn release(mut self) -> Result<(), LockError> {
+        if let Some(release) = self.release.take() {
+            let _ = release.send(());
+        }
+        match self.watcher.await {
+            Ok(result) => result,
+            Err(e) => Err(LockError::Unreachable(format!("lock watcher failed: {e}"))),
+        }
+    }
+}

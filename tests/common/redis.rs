@@ -1,0 +1,207 @@
+//! A private `redis-server` on a free loopback port that keeps nothing on disk, so a restart comes
+//! back empty; optionally TLS-only with a CA generated for the test.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use super::{free_port, wait_until, TempDir};
+
+pub struct Redis {
+    dir: TempDir,
+    pub port: u16,
+    tls: bool,
+    process: Option<Child>,
+}
+
+impl Redis {
+    pub fn start() -> Redis {
+        Redis::launch(false)
+    }
+
+    /// TLS only, with a server certificate for 127.0.0.1 signed by `ca_cert()`.
+    pub fn start_tls() -> Redis {
+        Redis::launch(true)
+    }
+
+    fn launch(tls: bool) -> Redis {
+        let dir = tempfile::tempdir().unwrap();
+        if tls {
+            make_ca(dir.path(), "ca");
+            let d = dir.path();
+            openssl(
+                d,
+                &[
+                    "req",
+                    "-newkey",
+                    "rsa:2048",
+                    "-nodes",
+                    "-keyout",
+                    "server.key",
+                    "-out",
+                    "server.csr",
+                    "-subj",
+                    "/CN=127.0.0.1",
+                ],
+            );
+            std::fs::write(d.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+            openssl(
+                d,
+                &[
+                    "x509",
+                    "-req",
+                    "-in",
+                    "server.csr",
+                    "-CA",
+                    "ca.pem",
+                    "-CAkey",
+                    "ca.key",
+                    "-CAcreateserial",
+                    "-out",
+                    "server.pem",
+                    "-days",
+                    "2",
+                    "-extfile",
+                    "san.ext",
+                ],
+            );
+        }
+        let mut server = Redis {
+            dir,
+            port: free_port(),
+            tls,
+            process: None,
+        };
+        server.boot();
+        server
+    }
+
+    fn boot(&mut self) {
+        let d = self.dir.path();
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(d)
+            .arg("--logfile")
+            .arg(d.join("redis.log"));
+        if self.tls {
+            cmd.args([
+                "--port",
+                "0",
+                "--tls-port",
+                &self.port.to_string(),
+                "--tls-auth-clients",
+                "no",
+            ])
+            .arg("--tls-cert-file")
+            .arg(d.join("server.pem"))
+            .arg("--tls-key-file")
+            .arg(d.join("server.key"))
+            .arg("--tls-ca-cert-file")
+            .arg(d.join("ca.pem"));
+        } else {
+            cmd.args(["--port", &self.port.to_string()]);
+        }
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is not installed (apt-get install redis-server)");
+        self.process = Some(child);
+        let up = wait_until(Duration::from_secs(10), || {
+            self.try_cli(&["PING"]).as_deref() == Some("PONG")
+        });
+        assert!(
+            up,
+            "redis-server did not start: {}",
+            std::fs::read_to_string(d.join("redis.log")).unwrap_or_default()
+        );
+    }
+
+    pub fn url(&self) -> String {
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
+    }
+
+    pub fn ca_cert(&self) -> PathBuf {
+        self.dir.path().join("ca.pem")
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.process.as_ref().expect("server is running").id() as i32
+    }
+
+    fn try_cli(&self, args: &[&str]) -> Option<String> {
+        let mut cmd = Command::new("redis-cli");
+        cmd.args(["-h", "127.0.0.1", "-p", &self.port.to_string()]);
+        if self.tls {
+            cmd.arg("--tls").arg("--cacert").arg(self.ca_cert());
+        }
+        let out = cmd.args(args).output().ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    }
+
+    /// Runs a command with redis-cli; panics on failure.
+    pub fn cli(&self, args: &[&str]) -> String {
+        self.try_cli(args)
+            .unwrap_or_else(|| panic!("redis-cli {args:?} failed"))
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.process.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Restarts on the same port; nothing is persisted, so it comes back empty.
+    pub fn restart(&mut self) {
+        self.kill9();
+        self.boot();
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("openssl is not installed");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A self-signed CA: `<name>.pem` and `<name>.key` in `dir`.
+pub fn make_ca(dir: &Path, name: &str) {
+    let (cert, key) = (format!("{name}.pem"), format!("{name}.key"));
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            &key,
+            "-out",
+            &cert,
+            "-days",
+            "2",
+            "-subj",
+            &format!("/CN=test {name}"),
+        ],
+    );
+}
