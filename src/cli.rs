@@ -7,36 +7,26 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::{Args, Parser, ValueEnum};
 
 #[derive(Debug, Parser)]
 #[command(
     name = "sentinel-guard",
     version,
+    args_conflicts_with_subcommands = true,
+    subcommand_negates_reqs = true,
     about = "Run a command as a singleton: take a lock, start the command, stop it the moment the lock is lost",
-    after_help = "Exit codes: the app's code (128+N if it died of signal N), 1 (--held-exit-code) lock held elsewhere, \
-2 usage, 69 backend unreachable or unsafe, 75 lock lost while the app ran, 124 --max-runtime expired, \
-126/127 command not executable/not found.\n\
+    after_help = "Exit codes: the app's code (128+N if it died of signal N), 1 (--held-exit-code) lock held elsewhere \
+or the wait for it ended, 2 usage, 69 backend unreachable or unsafe, 70 guard setup failed, 75 lock lost, \
+124 --max-runtime expired, 126/127 command not executable/not found.\n\
 SINGLE_INSTANCE_GUARD=false runs the command without any lock (local development only)."
 )]
 pub struct Cli {
-    /// Lock backend URL: mysql://user:pass@host:port/db, redis[s]://[user:pass@]host:port[/db] or file:///abs/path.lock
-    #[arg(
-        short = 'u',
-        long,
-        env = "SENTINEL_GUARD_URL",
-        hide_env_values = true,
-        conflicts_with = "url_file"
-    )]
-    pub url: Option<String>,
+    #[command(subcommand)]
+    pub subcommand: Option<Subcommand>,
 
-    /// Read the backend URL from this file (Docker/Kubernetes secrets); one trailing newline is trimmed
-    #[arg(long, env = "SENTINEL_GUARD_URL_FILE", value_name = "PATH")]
-    pub url_file: Option<PathBuf>,
-
-    /// Lock name: 1-64 characters of [A-Za-z0-9._:/-]
-    #[arg(short = 'n', long, env = "SENTINEL_GUARD_NAME")]
-    pub name: String,
+    #[command(flatten)]
+    pub lock: LockArgs,
 
     /// Exit code when another instance holds the lock (the command is never started)
     #[arg(
@@ -64,14 +54,6 @@ pub struct Cli {
     #[arg(long, env = "SENTINEL_GUARD_CHECK_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub check_interval: Duration,
 
-    /// A check slower than this means the lock is lost
-    #[arg(long, env = "SENTINEL_GUARD_CHECK_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration, value_name = "DUR")]
-    pub check_timeout: Duration,
-
-    /// How long to wait for the backend connection at start-up
-    #[arg(long, env = "SENTINEL_GUARD_CONNECT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration, value_name = "DUR")]
-    pub connect_timeout: Duration,
-
     /// Redis lease duration; a lease not renewed for this long expires
     #[arg(long, env = "SENTINEL_GUARD_TTL", default_value = "30s", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub ttl: Duration,
@@ -80,14 +62,14 @@ pub struct Cli {
     #[arg(long, env = "SENTINEL_GUARD_RENEW_INTERVAL", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub renew_interval: Option<Duration>,
 
-    /// Prefix of the Redis keys: <prefix>:{<name>}, <prefix>:{<name>}:fence, <prefix>:{<name>}:released
-    #[arg(
-        long,
-        env = "SENTINEL_GUARD_REDIS_PREFIX",
-        default_value = "sentinel-guard",
-        value_name = "P"
-    )]
-    pub redis_prefix: String,
+    /// Wait for the lock instead of exiting: forever, or up to DUR and then exit with the held code
+    #[arg(short = 'w', long, env = "SENTINEL_GUARD_WAIT", num_args = 0..=1, require_equals = true, default_missing_value = "forever", value_name = "DUR")]
+    pub wait: Option<String>,
+
+    /// After acquiring, hold the lock this long before starting the command (closes the gap when a
+    /// server dropped the previous holder while its app was still stopping)
+    #[arg(long, env = "SENTINEL_GUARD_TAKEOVER_DELAY", default_value = "0s", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub takeover_delay: Duration,
 
     /// Where forwarded signals go: the command's whole process group, or the command alone
     #[arg(long, env = "SENTINEL_GUARD_FORWARD_TO", value_enum, default_value_t = ForwardTo::Group)]
@@ -113,6 +95,67 @@ pub struct Cli {
     /// The command to supervise, run without a shell
     #[arg(last = true, required = true, value_name = "COMMAND")]
     pub command: Vec<OsString>,
+}
+
+/// Where the lock lives and how long to wait for it to answer: shared by the guard and `status`.
+#[derive(Debug, Args)]
+pub struct LockArgs {
+    /// Lock backend URL: mysql://user:pass@host:port/db, redis[s]://[user:pass@]host:port[/db] or file:///abs/path.lock
+    #[arg(
+        short = 'u',
+        long,
+        env = "SENTINEL_GUARD_URL",
+        hide_env_values = true,
+        conflicts_with = "url_file"
+    )]
+    pub url: Option<String>,
+
+    /// Read the backend URL from this file (Docker/Kubernetes secrets); one trailing newline is trimmed
+    #[arg(long, env = "SENTINEL_GUARD_URL_FILE", value_name = "PATH")]
+    pub url_file: Option<PathBuf>,
+
+    /// Lock name: 1-64 characters of [A-Za-z0-9._:/-] (required)
+    #[arg(short = 'n', long, env = "SENTINEL_GUARD_NAME")]
+    pub name: Option<String>,
+
+    /// A check slower than this means the lock is lost; bounds every Redis command
+    #[arg(long, env = "SENTINEL_GUARD_CHECK_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub check_timeout: Duration,
+
+    /// How long to wait for the backend connection at start-up
+    #[arg(long, env = "SENTINEL_GUARD_CONNECT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub connect_timeout: Duration,
+
+    /// Prefix of the Redis keys: <prefix>:{<name>}, <prefix>:{<name>}:fence, ...:clean, ...:released
+    #[arg(
+        long,
+        env = "SENTINEL_GUARD_REDIS_PREFIX",
+        default_value = "sentinel-guard",
+        value_name = "P"
+    )]
+    pub redis_prefix: String,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Subcommand {
+    /// Show who holds the lock. Exit 0 = held, 3 = free, 69 = backend unreachable, 2 = usage
+    Status(StatusArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub lock: LockArgs,
+
+    /// Output as one line of key=value pairs, or as one JSON object
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
+    pub format: OutputFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OutputFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -10,7 +10,7 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use thiserror::Error;
 
-use crate::cli::{Cli, ForwardTo, LogFormat};
+use crate::cli::{Cli, ForwardTo, LockArgs, LogFormat, OutputFormat, StatusArgs, Subcommand};
 
 /// A configuration mistake: reported with exit code 2 before anything is contacted.
 #[derive(Debug, Error)]
@@ -30,6 +30,26 @@ const MIN_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 const MIN_CHECK_TIMEOUT: Duration = Duration::from_millis(100);
 const MAX_NAME_LEN: usize = 64;
 
+/// What the command line asks for.
+#[derive(Debug)]
+pub enum Invocation {
+    Guard(Config),
+    Status(StatusConfig),
+}
+
+impl Invocation {
+    /// `guard_switch` is the raw value of `SINGLE_INSTANCE_GUARD`, if set.
+    pub fn from_cli(cli: Cli, guard_switch: Option<&str>) -> Result<Invocation, ConfigError> {
+        match cli.subcommand {
+            Some(Subcommand::Status(args)) => {
+                Ok(Invocation::Status(StatusConfig::from_args(args)?))
+            }
+            None => Ok(Invocation::Guard(Config::from_cli(cli, guard_switch)?)),
+        }
+    }
+}
+
+/// The guard's configuration.
 #[derive(Debug)]
 pub struct Config {
     pub name: LockName,
@@ -38,6 +58,8 @@ pub struct Config {
     pub timings: Timings,
     pub held_exit_code: u8,
     pub stop_signal: Signal,
+    pub wait: Wait,
+    pub takeover_delay: Duration,
     pub forward_to: ForwardTo,
     pub exit_code_map: ExitCodeMap,
     pub max_runtime: Option<Duration>,
@@ -45,20 +67,85 @@ pub struct Config {
     pub command: Vec<OsString>,
 }
 
+/// `--wait[=DUR]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    No,
+    For(Duration),
+    Forever,
+}
+
+impl Wait {
+    fn parse(raw: Option<&str>) -> Result<Wait, ConfigError> {
+        let Some(raw) = raw else { return Ok(Wait::No) };
+        match raw.trim().to_ascii_lowercase().as_str() {
+            "forever" | "true" | "yes" | "on" => Ok(Wait::Forever),
+            "false" | "no" | "off" => Ok(Wait::No),
+            duration => humantime::parse_duration(duration)
+                .map(Wait::For)
+                .map_err(|e| {
+                    invalid(format!(
+                        "--wait={raw}: {e}; use a duration such as 30s, or forever"
+                    ))
+                }),
+        }
+    }
+}
+
+/// `status`: who holds the lock.
+#[derive(Debug)]
+pub struct StatusConfig {
+    pub name: LockName,
+    pub target: Target,
+    pub connect_timeout: Duration,
+    pub check_timeout: Duration,
+    pub format: OutputFormat,
+}
+
+impl StatusConfig {
+    fn from_args(args: StatusArgs) -> Result<StatusConfig, ConfigError> {
+        let (name, target) = lock_target(&args.lock)?;
+        let target = target.ok_or_else(|| {
+            invalid("no lock backend: set --url or --url-file (SENTINEL_GUARD_URL / SENTINEL_GUARD_URL_FILE)")
+        })?;
+        if args.lock.connect_timeout.is_zero() || args.lock.check_timeout.is_zero() {
+            return Err(invalid(
+                "--connect-timeout and --check-timeout must be longer than 0s",
+            ));
+        }
+        Ok(StatusConfig {
+            name,
+            target,
+            connect_timeout: args.lock.connect_timeout,
+            check_timeout: args.lock.check_timeout,
+            format: args.format,
+        })
+    }
+}
+
+/// The lock name and, when a URL was given, where the lock lives.
+fn lock_target(args: &LockArgs) -> Result<(LockName, Option<Target>), ConfigError> {
+    let name = args
+        .name
+        .as_deref()
+        .ok_or_else(|| invalid("--name (or SENTINEL_GUARD_NAME) is required"))
+        .and_then(LockName::parse)?;
+    let raw_url = match (&args.url, &args.url_file) {
+        (Some(url), _) => Some(url.clone()),
+        (None, Some(path)) => Some(read_url_file(path)?),
+        (None, None) => None,
+    };
+    let target = raw_url
+        .as_deref()
+        .map(|raw| Target::parse(raw, &args.redis_prefix))
+        .transpose()?;
+    Ok((name, target))
+}
+
 impl Config {
-    /// `guard_switch` is the raw value of `SINGLE_INSTANCE_GUARD`, if set.
-    pub fn from_cli(cli: Cli, guard_switch: Option<&str>) -> Result<Config, ConfigError> {
+    fn from_cli(cli: Cli, guard_switch: Option<&str>) -> Result<Config, ConfigError> {
         let guarded = parse_guard_switch(guard_switch)?;
-        let name = LockName::parse(&cli.name)?;
-        let raw_url = match (&cli.url, &cli.url_file) {
-            (Some(url), _) => Some(url.clone()),
-            (None, Some(path)) => Some(read_url_file(path)?),
-            (None, None) => None,
-        };
-        let target = raw_url
-            .as_deref()
-            .map(|raw| Target::parse(raw, &cli.redis_prefix))
-            .transpose()?;
+        let (name, target) = lock_target(&cli.lock)?;
         if guarded && target.is_none() {
             return Err(invalid(
                 "no lock backend: set --url or --url-file (SENTINEL_GUARD_URL / SENTINEL_GUARD_URL_FILE), \
@@ -67,8 +154,8 @@ impl Config {
         }
         let timings = Timings {
             check_interval: cli.check_interval,
-            check_timeout: cli.check_timeout,
-            connect_timeout: cli.connect_timeout,
+            check_timeout: cli.lock.check_timeout,
+            connect_timeout: cli.lock.connect_timeout,
             grace_period: cli.grace_period,
             ttl: cli.ttl,
             renew_interval: cli.renew_interval.unwrap_or(cli.ttl / 3),
@@ -83,6 +170,8 @@ impl Config {
             timings,
             held_exit_code: cli.held_exit_code,
             stop_signal: parse_signal(&cli.stop_signal)?,
+            wait: Wait::parse(cli.wait.as_deref())?,
+            takeover_delay: cli.takeover_delay,
             forward_to: cli.forward_to,
             exit_code_map: ExitCodeMap::parse(&cli.exit_code_map)?,
             max_runtime: cli.max_runtime,
@@ -255,6 +344,15 @@ impl Target {
             other => Err(invalid(format!(
                 "--url: unsupported scheme {other:?}; expected mysql://, redis://, rediss:// or file://"
             ))),
+        }
+    }
+
+    /// Where the lock lives, safe to print.
+    pub fn location(&self) -> String {
+        match self {
+            Target::Mysql(mysql) => mysql.url.to_string(),
+            Target::Redis(redis) => redis.url.to_string(),
+            Target::File(path) => format!("file://{}", path.display()),
         }
     }
 
@@ -575,6 +673,19 @@ mod tests {
         assert!(Target::parse("file://otherhost/x.lock", "sg").is_err());
         assert!(Target::parse("file:///var/lock/", "sg").is_err());
         assert!(Target::parse("ftp://x/y", "sg").is_err());
+    }
+
+    #[test]
+    fn wait_accepts_a_duration_or_forever() {
+        assert_eq!(Wait::parse(None).unwrap(), Wait::No);
+        assert_eq!(Wait::parse(Some("forever")).unwrap(), Wait::Forever);
+        assert_eq!(Wait::parse(Some("TRUE")).unwrap(), Wait::Forever);
+        assert_eq!(Wait::parse(Some("off")).unwrap(), Wait::No);
+        assert_eq!(
+            Wait::parse(Some("2s")).unwrap(),
+            Wait::For(Duration::from_secs(2))
+        );
+        assert!(Wait::parse(Some("soon")).is_err());
     }
 
     #[test]

@@ -7,6 +7,7 @@ mod config;
 mod holder;
 mod outcome;
 mod run;
+mod status;
 mod supervisor;
 
 use std::io::IsTerminal;
@@ -17,40 +18,54 @@ use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
 use crate::cli::{Cli, LogFormat};
-use crate::config::Config;
+use crate::config::{Config, Invocation};
 use crate::outcome::{Outcome, EXIT_INTERNAL, EXIT_USAGE};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let guard_switch =
         std::env::var_os("SINGLE_INSTANCE_GUARD").map(|v| v.to_string_lossy().into_owned());
-    let config = match Config::from_cli(cli, guard_switch.as_deref()) {
-        Ok(config) => config,
+    let invocation = match Invocation::from_cli(cli, guard_switch.as_deref()) {
+        Ok(invocation) => invocation,
         Err(e) => {
             eprintln!("sentinel-guard: error: {e}");
             return ExitCode::from(EXIT_USAGE);
         }
     };
-    init_logging(config.log_format);
-    match guard(&config) {
-        Ok(outcome) => {
-            ExitCode::from(outcome.exit_code(config.held_exit_code, &config.exit_code_map))
+    match invocation {
+        Invocation::Guard(config) => {
+            init_logging(config.log_format);
+            match guard(&config) {
+                Ok(outcome) => {
+                    ExitCode::from(outcome.exit_code(config.held_exit_code, &config.exit_code_map))
+                }
+                Err(e) => {
+                    tracing::error!(lock = %config.name, error = format!("{e:#}"), "guard failed");
+                    ExitCode::from(EXIT_INTERNAL)
+                }
+            }
         }
-        Err(e) => {
-            tracing::error!(lock = %config.name, error = format!("{e:#}"), "guard failed");
-            ExitCode::from(EXIT_INTERNAL)
-        }
+        Invocation::Status(config) => match runtime() {
+            Ok(runtime) => ExitCode::from(runtime.block_on(status::run(&config))),
+            Err(e) => {
+                eprintln!("sentinel-guard: error: {e:#}");
+                ExitCode::from(EXIT_INTERNAL)
+            }
+        },
     }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
 }
 
 /// Runs on the main thread: the app is spawned from it, and its PR_SET_PDEATHSIG is tied to the
 /// spawning thread, which must therefore live as long as the guard.
 fn guard(config: &Config) -> anyhow::Result<Outcome> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
-    Ok(runtime.block_on(run::run(config)))
+    Ok(runtime()?.block_on(run::run(config)))
 }
 
 fn init_logging(format: LogFormat) {

@@ -27,8 +27,9 @@ pub enum Outcome {
     NotFound,
     /// The command exists but cannot be executed.
     NotExecutable,
-    /// A signal asked the guard to stop before the app was started.
-    StoppedBeforeStart(i32),
+    /// A signal asked the guard to stop before the app was started (while taking or waiting for the
+    /// lock): reported like a held lock, since no app ran.
+    StoppedBeforeStart,
     /// The guard itself could not set up (signal handlers, runtime).
     Internal,
 }
@@ -37,13 +38,12 @@ impl Outcome {
     pub fn exit_code(self, held_exit_code: u8, map: &ExitCodeMap) -> u8 {
         match self {
             Outcome::AppExited(status) => map.apply(status.code()),
-            Outcome::HeldElsewhere => held_exit_code,
+            Outcome::HeldElsewhere | Outcome::StoppedBeforeStart => held_exit_code,
             Outcome::Unavailable => EXIT_UNAVAILABLE,
             Outcome::LockLost => EXIT_LOCK_LOST,
             Outcome::MaxRuntime => EXIT_MAX_RUNTIME,
             Outcome::NotFound => EXIT_NOT_FOUND,
             Outcome::NotExecutable => EXIT_NOT_EXECUTABLE,
-            Outcome::StoppedBeforeStart(signal) => AppStatus::Signaled(signal).code(),
             Outcome::Internal => EXIT_INTERNAL,
         }
     }
@@ -76,6 +76,6 @@ mod tests {
         assert_eq!(Outcome::MaxRuntime.exit_code(1, &map), 124);
         assert_eq!(Outcome::NotExecutable.exit_code(1, &map), 126);
         assert_eq!(Outcome::NotFound.exit_code(1, &map), 127);
-        assert_eq!(Outcome::StoppedBeforeStart(15).exit_code(1, &map), 143);
+        assert_eq!(Outcome::StoppedBeforeStart.exit_code(3, &map), 3);
     }
 }

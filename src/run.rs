@@ -5,14 +5,15 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use tokio::time::{sleep_until, Instant};
-use tracing::{error, info, info_span, warn, Instrument};
+use tracing::{debug, error, info, info_span, warn, Instrument};
 
-use crate::backend::{self, Acquisition, HeldLock, LockRequest};
-use crate::config::Config;
+use crate::backend::{self, Acquisition, HeldLock, LockRequest, Patience};
+use crate::config::{Config, Wait};
 use crate::holder::Holder;
 use crate::outcome::Outcome;
 use crate::supervisor::{
-    self, is_shutdown, signal_name, AppEnv, SignalEvents, SpawnError, StartError, Supervisor,
+    self, ends_wait, is_shutdown, signal_name, AppEnv, SignalEvents, SpawnError, StartError,
+    Supervisor,
 };
 
 /// Variables the app must never see: they may carry the backend's credentials.
@@ -64,31 +65,72 @@ impl Guard<'_> {
             );
             return self.supervise(None, &mut signals).await;
         };
+        let patience = match self.config.wait {
+            Wait::No => Patience::None,
+            Wait::For(limit) => Patience::Until(Instant::now() + limit),
+            Wait::Forever => Patience::Forever,
+        };
         let request = LockRequest {
             name: &self.config.name,
             timings: &self.config.timings,
             holder: self.holder,
+            patience,
         };
         let attempt = tokio::select! {
-            attempt = backend::try_acquire(target, &request) => attempt,
-            signal = signals.next() => {
-                warn!(signal = %signal_name(signal), "stopped before the lock was taken; the app was not started");
-                return Outcome::StoppedBeforeStart(signal);
+            attempt = backend::acquire(target, &request) => attempt,
+            signal = stop_request(&mut signals) => {
+                warn!(signal = %signal_name(signal), "stopped while taking the lock; the app was not started");
+                return Outcome::StoppedBeforeStart;
             }
         };
-        match attempt {
-            Ok(Acquisition::Acquired(held)) => self.supervise(Some(held), &mut signals).await,
+        let held = match attempt {
+            Ok(Acquisition::Acquired(held)) => held,
             Ok(Acquisition::HeldElsewhere(holder)) => {
                 warn!(
                     holder = %holder,
                     exit_code = self.config.held_exit_code,
                     "lock is held by another instance; the app was not started"
                 );
-                Outcome::HeldElsewhere
+                return Outcome::HeldElsewhere;
             }
             Err(e) => {
                 error!(error = %e, "cannot take the lock; the app was not started");
-                Outcome::Unavailable
+                return Outcome::Unavailable;
+            }
+        };
+        match self.takeover_delay(held, &mut signals).await {
+            Ok(held) => self.supervise(Some(held), &mut signals).await,
+            Err(outcome) => outcome,
+        }
+    }
+
+    /// Holds the lock for `--takeover-delay` before the app starts, unless the previous holder is known
+    /// to have released it cleanly: a server that dropped the previous holder (KILL, restart, failover)
+    /// freed the lock while that holder's app may still be inside its grace period.
+    async fn takeover_delay(
+        &self,
+        mut held: HeldLock,
+        signals: &mut SignalEvents,
+    ) -> Result<HeldLock, Outcome> {
+        let delay = self.config.takeover_delay;
+        if delay.is_zero() {
+            return Ok(held);
+        }
+        if held.previous_release_was_clean() {
+            info!("previous holder released the lock cleanly; no takeover delay needed");
+            return Ok(held);
+        }
+        info!(delay = %humantime::format_duration(delay), "lock acquired; holding it for the takeover delay before starting the app");
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => Ok(held),
+            loss = held.lost() => {
+                error!(reason = %loss.reason, detail = %loss.detail, "lock lost during the takeover delay; the app was not started");
+                Err(Outcome::LockLost)
+            }
+            signal = stop_request(signals) => {
+                warn!(signal = %signal_name(signal), "stopped during the takeover delay; the app was not started");
+                release(Some(held)).await;
+                Err(Outcome::StoppedBeforeStart)
             }
         }
     }
@@ -159,6 +201,17 @@ impl Guard<'_> {
                 }
             }
         }
+    }
+}
+
+/// The next signal that asks the guard to stop while no app runs yet; others have no one to go to.
+async fn stop_request(signals: &mut SignalEvents) -> i32 {
+    loop {
+        let signal = signals.next().await;
+        if ends_wait(signal) {
+            return signal;
+        }
+        debug!(signal = %signal_name(signal), "signal ignored: no app is running yet");
     }
 }
 

@@ -61,7 +61,7 @@ fn second_instance_exits_1_and_shows_holder_and_remaining_ttl() {
         "holder not named: {log}"
     );
     assert!(log.contains("ttl_remaining="), "{log}");
-    assert!(log.contains("fence=1"), "{log}");
+    assert!(log.contains("fencing_token=1"), "{log}");
 
     first.signal(15);
     assert_eq!(first.code(Duration::from_secs(5)), 0);

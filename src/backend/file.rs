@@ -9,24 +9,46 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
 use tracing::info;
 
-use super::{Acquisition, HeldLock, LockError, LockLoss, LockRequest, LossReason};
+use super::{
+    Acquisition, HeldLock, HolderInfo, LockError, LockLoss, LockRequest, LossReason, WaitLog,
+};
 use crate::holder::Holder;
 
 /// How often to retry when the path was replaced between opening and locking it.
 const OPEN_ATTEMPTS: usize = 5;
 
-pub fn try_acquire(path: &Path, request: &LockRequest<'_>) -> Result<Acquisition, LockError> {
+/// How often a standby retries a held file lock: one non-blocking `flock` per attempt, cheap enough to
+/// make takeover take milliseconds, and a signal ends the wait at once.
+const WAIT_POLL: Duration = Duration::from_millis(10);
+
+pub async fn acquire(path: &Path, request: &LockRequest<'_>) -> Result<Acquisition, LockError> {
+    let mut log = WaitLog::new();
+    loop {
+        match try_acquire(path, request)? {
+            Acquisition::HeldElsewhere(holder) if !request.patience.exhausted() => {
+                if log.due() {
+                    log.waiting(&holder);
+                }
+                tokio::time::sleep(request.patience.cap(WAIT_POLL)).await;
+            }
+            decided => return Ok(decided),
+        }
+    }
+}
+
+fn try_acquire(path: &Path, request: &LockRequest<'_>) -> Result<Acquisition, LockError> {
     for _ in 0..OPEN_ATTEMPTS {
         let file = open(path)?;
         let mut locked = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             Ok(locked) => locked,
             Err((mut file, Errno::EWOULDBLOCK)) => {
-                return Ok(Acquisition::HeldElsewhere(describe_holder(&mut file)));
+                return Ok(Acquisition::HeldElsewhere(describe_holder(&mut file, None)));
             }
             Err((_, errno)) => {
                 return Err(LockError::Refused(format!(
@@ -53,6 +75,43 @@ pub fn try_acquire(path: &Path, request: &LockRequest<'_>) -> Result<Acquisition
         "{} keeps being replaced while the guard locks it",
         path.display()
     )))
+}
+
+/// Who holds the lock now, read from /proc/locks without taking it: even a brief test lock could make
+/// a starting guard believe the lock held and exit.
+pub fn status(path: &Path) -> Result<Option<HolderInfo>, LockError> {
+    let meta = match std::fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_error(path, e)),
+    };
+    let locks = std::fs::read_to_string("/proc/locks")
+        .map_err(|e| io_error(Path::new("/proc/locks"), e))?;
+    let Some(pid) = flock_holder(&locks, &meta) else {
+        return Ok(None);
+    };
+    let mut file = File::open(path).map_err(|e| io_error(path, e))?;
+    Ok(Some(describe_holder(&mut file, Some(pid))))
+}
+
+/// The pid of the process holding a `flock` on the file `meta` describes, from /proc/locks lines such
+/// as `3: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF` (device major:minor in hex, then the inode).
+fn flock_holder(locks: &str, meta: &std::fs::Metadata) -> Option<u32> {
+    let dev = meta.dev();
+    let wanted = format!(
+        "{:02x}:{:02x}:{}",
+        nix::sys::stat::major(dev),
+        nix::sys::stat::minor(dev),
+        meta.ino()
+    );
+    locks.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        // Waiters are listed as "N: -> FLOCK ..."; only the holder counts.
+        match fields.as_slice() {
+            [_, "FLOCK", _, _, pid, device, ..] if *device == wanted => pid.parse().ok(),
+            _ => None,
+        }
+    })
 }
 
 /// std opens every file with O_CLOEXEC, which the lock relies on: an app that inherited the descriptor
@@ -82,12 +141,16 @@ fn io_error(path: &Path, e: std::io::Error) -> LockError {
     LockError::Refused(format!("{}: {e}", path.display()))
 }
 
-fn describe_holder(file: &mut File) -> String {
+fn describe_holder(file: &mut File, locked_by: Option<u32>) -> HolderInfo {
     let mut text = String::new();
     let _ = file.read_to_string(&mut text);
+    let info = match locked_by {
+        Some(pid) => HolderInfo::default().with("locked_by_pid", pid),
+        None => HolderInfo::default(),
+    };
     match Holder::parse(&text) {
-        Some(holder) => holder.to_string(),
-        None => "unknown (the holder has not written its identity yet)".to_owned(),
+        Some(holder) => info.with_guard(Some(holder)),
+        None => info.with("holder", "unknown (no identity written yet)"),
     }
 }
 

@@ -9,8 +9,11 @@ mod redis;
 mod watched;
 
 use std::fmt;
+use std::time::Duration;
 
 use thiserror::Error;
+use tokio::time::Instant;
+use tracing::{info, warn};
 
 use crate::config::{LockName, Target, Timings};
 use crate::holder::Holder;
@@ -74,8 +77,128 @@ pub struct LockLoss {
 
 pub enum Acquisition {
     Acquired(HeldLock),
-    /// Another instance holds the lock; the text describes it as well as the backend allows.
-    HeldElsewhere(String),
+    /// Another instance holds the lock (and went on holding it for as long as we were willing to wait).
+    HeldElsewhere(HolderInfo),
+}
+
+/// Who holds a lock, as far as the backend can tell: `key=value` facts in a fixed order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HolderInfo(Vec<(&'static str, String)>);
+
+impl HolderInfo {
+    pub fn with(mut self, key: &'static str, value: impl ToString) -> HolderInfo {
+        self.0.push((key, value.to_string()));
+        self
+    }
+
+    /// Adds the guard identity a holder publishes next to its lock, when it could be read.
+    pub fn with_guard(self, guard: Option<Holder>) -> HolderInfo {
+        match guard {
+            Some(h) => self
+                .with("holder_id", h.id)
+                .with("host", h.host)
+                .with("pid", h.pid)
+                .with("started", h.started),
+            None => self,
+        }
+    }
+
+    pub fn fields(&self) -> &[(&'static str, String)] {
+        &self.0
+    }
+}
+
+impl fmt::Display for HolderInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, (key, value)) in self.0.iter().enumerate() {
+            let sep = if i == 0 { "" } else { " " };
+            if value.contains(' ') {
+                write!(f, "{sep}{key}={value:?}")?;
+            } else {
+                write!(f, "{sep}{key}={value}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How long to wait for a held lock: `--wait[=DUR]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Patience {
+    /// Give up at once (the default): the instance that loses exits with the held code.
+    None,
+    Until(Instant),
+    Forever,
+}
+
+impl Patience {
+    /// How long a single wait may last from now: zero once patience has run out.
+    pub fn remaining(self) -> Option<Duration> {
+        match self {
+            Patience::None => Some(Duration::ZERO),
+            Patience::Until(deadline) => Some(deadline.saturating_duration_since(Instant::now())),
+            Patience::Forever => None,
+        }
+    }
+
+    pub fn exhausted(self) -> bool {
+        self.remaining() == Some(Duration::ZERO)
+    }
+
+    /// `limit`, shortened to what patience has left.
+    pub fn cap(self, limit: Duration) -> Duration {
+        self.remaining().map_or(limit, |left| left.min(limit))
+    }
+}
+
+/// Rate limits the "still waiting" log line: the holder once, then at most once a minute.
+pub struct WaitLog {
+    last: Option<Instant>,
+}
+
+const WAIT_LOG_EVERY: Duration = Duration::from_secs(60);
+
+impl WaitLog {
+    pub fn new() -> WaitLog {
+        WaitLog { last: None }
+    }
+
+    pub fn due(&self) -> bool {
+        self.last.is_none_or(|at| at.elapsed() >= WAIT_LOG_EVERY)
+    }
+
+    pub fn waiting(&mut self, holder: &HolderInfo) {
+        self.last = Some(Instant::now());
+        info!(holder = %holder, "lock is held by another instance; waiting");
+    }
+}
+
+/// Retry pacing for a standby whose own backend connection failed: never a busy loop.
+pub struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    const FIRST: Duration = Duration::from_millis(250);
+    const MAX: Duration = Duration::from_secs(30);
+
+    pub fn new() -> Backoff {
+        Backoff {
+            next: Backoff::FIRST,
+        }
+    }
+
+    pub fn reset(&mut self) {
+        self.next = Backoff::FIRST;
+    }
+
+    /// Logs the failure and sleeps for the current step, within what patience has left.
+    pub async fn pause(&mut self, error: &LockError, patience: Patience) {
+        let pause = patience.cap(self.next);
+        warn!(error = %error, retry_in = %humantime::format_duration(pause), "lock backend failed while waiting; retrying");
+        tokio::time::sleep(pause).await;
+        self.next = (self.next * 2).min(Backoff::MAX);
+    }
 }
 
 /// What every backend needs to know to take the lock.
@@ -83,17 +206,31 @@ pub struct LockRequest<'a> {
     pub name: &'a LockName,
     pub timings: &'a Timings,
     pub holder: &'a Holder,
+    pub patience: Patience,
 }
 
-/// Makes one attempt to take the lock, without waiting for it to become free.
-pub async fn try_acquire(
-    target: &Target,
-    request: &LockRequest<'_>,
-) -> Result<Acquisition, LockError> {
+/// Takes the lock, waiting for it as long as `request.patience` allows. A backend that fails before
+/// the first answer is an error (fail closed); a standby whose backend fails later retries with backoff.
+pub async fn acquire(target: &Target, request: &LockRequest<'_>) -> Result<Acquisition, LockError> {
     match target {
-        Target::Mysql(mysql) => mysql::try_acquire(mysql, request).await,
-        Target::Redis(redis) => redis::try_acquire(redis, request).await,
-        Target::File(path) => file::try_acquire(path, request),
+        Target::Mysql(mysql) => mysql::acquire(mysql, request).await,
+        Target::Redis(redis) => redis::acquire(redis, request).await,
+        Target::File(path) => file::acquire(path, request).await,
+    }
+}
+
+/// Who holds `name` right now, without taking or disturbing the lock. `None`: it is free.
+/// `connect` bounds connecting, `answer` each query.
+pub async fn status(
+    target: &Target,
+    name: &LockName,
+    connect: Duration,
+    answer: Duration,
+) -> Result<Option<HolderInfo>, LockError> {
+    match target {
+        Target::Mysql(mysql) => mysql::status(mysql, name, connect, answer).await,
+        Target::Redis(redis) => redis::status(redis, name, connect, answer).await,
+        Target::File(path) => file::status(path),
     }
 }
 
@@ -104,6 +241,15 @@ pub enum HeldLock {
 }
 
 impl HeldLock {
+    /// Whether the previous holder is known to have released the lock itself, after its app was
+    /// dead. Only Redis can tell; elsewhere the server may have dropped a holder whose app still stops.
+    pub fn previous_release_was_clean(&self) -> bool {
+        match self {
+            HeldLock::Redis(lock) => lock.previous_release_was_clean(),
+            HeldLock::Mysql(_) | HeldLock::File(_) => false,
+        }
+    }
+
     /// What the app learns about this acquisition beyond name, backend and holder id.
     pub fn app_env(&self) -> Vec<(&'static str, String)> {
         match self {

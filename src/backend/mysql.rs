@@ -14,13 +14,19 @@ use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
 use super::watched::{WatchedLock, WatcherEnds};
-use super::{Acquisition, HeldLock, LockError, LockLoss, LockRequest, LossReason};
-use crate::config::MysqlTarget;
+use super::{
+    Acquisition, Backoff, HeldLock, HolderInfo, LockError, LockLoss, LockRequest, LossReason,
+    Patience, WaitLog,
+};
+use crate::config::{LockName, MysqlTarget, Timings};
 use crate::holder::Holder;
 
 /// Server error codes that mean the server ended our session rather than refused one statement.
 const ER_SERVER_SHUTDOWN: u16 = 1053;
 const ER_CONNECTION_KILLED: u16 = 1927;
+/// The longest single server-side wait of a standby, so patience and the session's health are
+/// re-checked regularly.
+const WAIT_CHUNK: Duration = Duration::from_secs(2);
 /// How long the guard waits for a side connection that interrupts its own `SLEEP` at release.
 const INTERRUPT_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -53,70 +59,137 @@ fn setup_error(target: &MysqlTarget, e: mysql_async::Error) -> LockError {
     LockError::Unreachable(format!("{}: {}", target.url, target.url.scrub(e)))
 }
 
-pub async fn try_acquire(
-    target: &MysqlTarget,
-    request: &LockRequest<'_>,
-) -> Result<Acquisition, LockError> {
-    let timings = request.timings;
+/// Connects and makes the session fit to hold the lock: a safe server, and a `wait_timeout` that frees
+/// the lock of a silent session only after this guard has stopped its app.
+async fn open_session(target: &MysqlTarget, timings: &Timings) -> Result<Conn, LockError> {
     let mut conn = connect(target, timings.connect_timeout).await?;
-    let fail = |e| setup_error(target, e);
     let bounded = timings.connect_timeout;
-    let step = |what: &str| {
-        LockError::Unreachable(format!(
-            "{}: no answer to {what} within {}",
-            target.url,
-            humantime::format_duration(bounded)
-        ))
-    };
-
     refuse_unsafe_server(&mut conn, target, bounded).await?;
-
     let wanted = timings.mysql_wait_timeout_secs();
     timeout(
         bounded,
         conn.query_drop(format!("SET SESSION wait_timeout = {wanted}")),
     )
     .await
-    .map_err(|_| step("SET SESSION wait_timeout"))?
-    .map_err(fail)?;
+    .map_err(|_| no_answer(target, "SET SESSION wait_timeout", bounded))?
+    .map_err(|e| setup_error(target, e))?;
     let kept: Option<u64> = timeout(bounded, conn.query_first("SELECT @@session.wait_timeout"))
         .await
-        .map_err(|_| step("SELECT @@session.wait_timeout"))?
-        .map_err(fail)?;
+        .map_err(|_| no_answer(target, "SELECT @@session.wait_timeout", bounded))?
+        .map_err(|e| setup_error(target, e))?;
     if kept != Some(wanted) {
         return Err(LockError::Unsafe(format!(
             "the server keeps wait_timeout at {kept:?} instead of {wanted}s, so it could free the lock \
              of a silent connection before the guard stops the app (a proxy in between?)"
         )));
     }
+    Ok(conn)
+}
 
+fn no_answer(target: &MysqlTarget, what: &str, limit: Duration) -> LockError {
+    LockError::Unreachable(format!(
+        "{}: no answer to {what} within {}",
+        target.url,
+        humantime::format_duration(limit)
+    ))
+}
+
+pub async fn acquire(
+    target: &MysqlTarget,
+    request: &LockRequest<'_>,
+) -> Result<Acquisition, LockError> {
+    let timings = request.timings;
+    let patience = request.patience;
     let name = request.name.as_str();
-    let got: Option<Option<i64>> =
-        timeout(bounded, conn.exec_first("SELECT GET_LOCK(?, 0)", (name,)))
-            .await
-            .map_err(|_| step("GET_LOCK"))?
-            .map_err(fail)?;
-    match got.flatten() {
-        Some(1) => {
-            info!(
-                connection_id = conn.id(),
-                wait_timeout_secs = wanted,
-                server_version = %version(&conn),
-                "mysql lock acquired"
-            );
-            Ok(Acquisition::Acquired(HeldLock::Mysql(MysqlLock::watch(
-                conn, target, request,
-            ))))
+    let mut conn = open_session(target, timings).await?;
+    let mut log = WaitLog::new();
+    let mut backoff = Backoff::new();
+    loop {
+        // The server queues waiters: GET_LOCK returns the moment the holder releases or its session
+        // ends. Waiting in chunks re-checks patience and notices a silent server. The first attempt
+        // does not wait, so a standby names the holder at once.
+        let chunk = if log.due() {
+            Duration::ZERO
+        } else {
+            patience.cap(WAIT_CHUNK)
+        };
+        let got = timeout(
+            chunk + timings.check_timeout,
+            conn.exec_first::<Option<i64>, _, _>(
+                "SELECT GET_LOCK(?, ?)",
+                (name, chunk.as_secs_f64()),
+            ),
+        )
+        .await;
+        let error = match got {
+            Ok(Ok(Some(Some(1)))) => {
+                info!(
+                    connection_id = conn.id(),
+                    wait_timeout_secs = timings.mysql_wait_timeout_secs(),
+                    server_version = %version(&conn),
+                    "mysql lock acquired"
+                );
+                return Ok(Acquisition::Acquired(HeldLock::Mysql(MysqlLock::watch(
+                    conn, target, request,
+                ))));
+            }
+            Ok(Ok(Some(Some(0)))) if patience.exhausted() => {
+                let holder = describe_holder(&mut conn, name, timings.check_timeout).await;
+                let _ = timeout(timings.check_timeout, conn.disconnect()).await;
+                return Ok(Acquisition::HeldElsewhere(holder));
+            }
+            Ok(Ok(Some(Some(0)))) => {
+                if log.due() {
+                    log.waiting(&describe_holder(&mut conn, name, timings.check_timeout).await);
+                }
+                backoff.reset();
+                continue;
+            }
+            Ok(Ok(other)) => {
+                LockError::Unsafe(format!("GET_LOCK returned {other:?} instead of 0 or 1"))
+            }
+            Ok(Err(e)) => setup_error(target, e),
+            Err(_) => no_answer(target, "GET_LOCK", chunk + timings.check_timeout),
+        };
+        // Fail closed at start; a standby whose own session failed reconnects with backoff.
+        if patience == Patience::None || matches!(error, LockError::Unsafe(_)) {
+            return Err(error);
         }
-        Some(0) => {
-            let holder = describe_holder(&mut conn, name, bounded).await;
-            let _ = conn.disconnect().await;
-            Ok(Acquisition::HeldElsewhere(holder))
-        }
-        other => Err(LockError::Unsafe(format!(
-            "GET_LOCK returned {other:?} instead of 0 or 1"
-        ))),
+        let mut error = error;
+        conn = loop {
+            if patience.exhausted() {
+                return Err(error);
+            }
+            backoff.pause(&error, patience).await;
+            match open_session(target, timings).await {
+                Ok(conn) => break conn,
+                Err(unsafe_server @ LockError::Unsafe(_)) => return Err(unsafe_server),
+                Err(e) => error = e,
+            }
+        };
     }
+}
+
+/// Who holds `name` now, without taking it.
+pub async fn status(
+    target: &MysqlTarget,
+    name: &LockName,
+    connect_limit: Duration,
+    answer: Duration,
+) -> Result<Option<HolderInfo>, LockError> {
+    let mut conn = connect(target, connect_limit).await?;
+    let id = holder_connection(&mut conn, name.as_str(), answer)
+        .await
+        .map_err(|e| match e {
+            Some(e) => setup_error(target, e),
+            None => no_answer(target, "IS_USED_LOCK", answer),
+        })?;
+    let holder = match id {
+        Some(id) => Some(describe_connection(&mut conn, id, answer).await),
+        None => None,
+    };
+    let _ = timeout(answer, conn.disconnect()).await;
+    Ok(holder)
 }
 
 fn version(conn: &Conn) -> String {
@@ -159,19 +232,40 @@ async fn refuse_unsafe_server(
     Ok(())
 }
 
-/// Says who holds `name`, as far as this account can see: the holder's connection id, its account from
-/// the process list, and the guard identity its outstanding check query carries in a comment.
-async fn describe_holder(conn: &mut Conn, name: &str, bounded: Duration) -> String {
-    let id: Option<u64> =
-        match timeout(bounded, conn.exec_first("SELECT IS_USED_LOCK(?)", (name,))).await {
-            Ok(Ok(id)) => id.flatten(),
-            _ => None,
-        };
-    let Some(id) = id else {
-        return "unknown (released while being looked up)".to_owned();
-    };
+/// The connection id holding `name`, or `None` when it is free. `Err(None)` is a timeout.
+async fn holder_connection(
+    conn: &mut Conn,
+    name: &str,
+    limit: Duration,
+) -> Result<Option<u64>, Option<mysql_async::Error>> {
+    match timeout(
+        limit,
+        conn.exec_first::<Option<u64>, _, _>("SELECT IS_USED_LOCK(?)", (name,)),
+    )
+    .await
+    {
+        Ok(Ok(id)) => Ok(id.flatten()),
+        Ok(Err(e)) => Err(Some(e)),
+        Err(_) => Err(None),
+    }
+}
+
+/// Says who holds `name`, as far as this account can see.
+async fn describe_holder(conn: &mut Conn, name: &str, limit: Duration) -> HolderInfo {
+    match holder_connection(conn, name, limit).await {
+        Ok(Some(id)) => describe_connection(conn, id, limit).await,
+        Ok(None) => {
+            HolderInfo::default().with("holder", "unknown (released while being looked up)")
+        }
+        Err(_) => HolderInfo::default().with("holder", "unknown (the lookup failed)"),
+    }
+}
+
+/// The holder's connection id, its account from the process list, and the guard identity its
+/// outstanding check query carries in a comment.
+async fn describe_connection(conn: &mut Conn, id: u64, limit: Duration) -> HolderInfo {
     let row: Option<(String, String, u64, Option<String>)> = timeout(
-        bounded,
+        limit,
         conn.exec_first(
             "SELECT USER, HOST, TIME, INFO FROM information_schema.PROCESSLIST WHERE ID = ?",
             (id,),
@@ -181,18 +275,14 @@ async fn describe_holder(conn: &mut Conn, name: &str, bounded: Duration) -> Stri
     .ok()
     .and_then(Result::ok)
     .flatten();
+    let info = HolderInfo::default().with("connection_id", id);
     match row {
-        Some((user, client, seconds, info)) => {
-            let guard = info
-                .as_deref()
-                .and_then(Holder::parse)
-                .map(|h| format!(" {h}"))
-                .unwrap_or_default();
-            format!(
-                "connection_id={id} user={user} client={client} idle_or_busy_secs={seconds}{guard}"
-            )
-        }
-        None => format!("connection_id={id} (not visible in the process list to this account)"),
+        Some((user, client, seconds, query)) => info
+            .with("user", user)
+            .with("client", client)
+            .with("command_secs", seconds)
+            .with_guard(query.as_deref().and_then(Holder::parse)),
+        None => info.with("processlist", "not visible to this account"),
     }
 }
 

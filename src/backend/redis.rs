@@ -8,28 +8,40 @@
 
 use std::time::Duration;
 
-use redis::aio::MultiplexedConnection;
+use futures_util::StreamExt;
+use redis::aio::{MultiplexedConnection, PubSub};
 use redis::{AsyncConnectionConfig, ErrorKind, RedisError, Script};
 use tokio::time::{sleep_until, timeout, Instant};
 use tracing::{debug, info, warn};
 
 use super::watched::{WatchedLock, WatcherEnds};
-use super::{Acquisition, HeldLock, LockError, LockLoss, LockRequest, LossReason};
-use crate::config::{RedisTarget, Timings};
+use super::{
+    Acquisition, Backoff, HeldLock, HolderInfo, LockError, LockLoss, LockRequest, LossReason,
+    Patience, WaitLog,
+};
+use crate::config::{LockName, RedisTarget, Timings};
+use crate::holder::Holder;
 
-/// The value is `<token> fence=<n> <holder>`; the token is its first word.
+/// The value is `<token> fence=<n> <holder>`; the token is its first word. Returns `{fence, clean}`:
+/// fence 0 when held by another token; clean 1 when the previous lease was released by its owner
+/// (its fence is the one recorded in the clean key) rather than left to expire.
 const ACQUIRE: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current then
   if string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
-    return tonumber(string.match(current, ' fence=(%d+)'))
+    return {tonumber(string.match(current, ' fence=(%d+)')), 0}
   end
-  return 0
+  return {0, 0}
+end
+local previous = redis.call('GET', KEYS[2])
+local clean = 0
+if previous == false or previous == redis.call('GET', KEYS[3]) then
+  clean = 1
 end
 local fence = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[1], ARGV[1] .. ' fence=' .. fence .. ' ' .. ARGV[2], 'NX', 'PX', ARGV[3])
-return fence
+return {fence, clean}
 ";
 
 const RENEW: &str = r"
@@ -40,11 +52,13 @@ end
 return 0
 ";
 
+/// KEYS: lock, clean marker, release channel (a channel, listed for cluster routing).
 const RELEASE: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', KEYS[2], ARGV[1])
+  redis.call('SET', KEYS[2], string.match(current, ' fence=(%d+)'))
+  redis.call('PUBLISH', KEYS[3], ARGV[1])
   return 1
 end
 return 0
@@ -55,11 +69,19 @@ const MAX_RETRY_INTERVAL: Duration = Duration::from_secs(1);
 /// Pause between acquisition attempts whose reply was lost.
 const ACQUIRE_RETRY_PAUSE: Duration = Duration::from_millis(100);
 
-/// The `{name}` hash tag keeps all three keys in one Redis Cluster slot.
+/// A standby re-checks a held lease at least this often, and when it is due to expire.
+const MAX_POLL: Duration = Duration::from_secs(1);
+/// Spreads standbys that wake for the same expiry.
+const MAX_JITTER_MS: u64 = 50;
+
+/// The `{name}` hash tag keeps all the keys in one Redis Cluster slot.
 #[derive(Clone)]
 struct Keys {
     lock: String,
     fence: String,
+    /// The fencing token of the last lease its owner released (rather than left to expire).
+    clean: String,
+    /// Pub/sub channel on which a release is announced.
     released: String,
 }
 
@@ -68,6 +90,7 @@ impl Keys {
         let lock = format!("{prefix}:{{{name}}}");
         Keys {
             fence: format!("{lock}:fence"),
+            clean: format!("{lock}:clean"),
             released: format!("{lock}:released"),
             lock,
         }
@@ -114,107 +137,290 @@ fn millis(d: Duration) -> u64 {
     d.as_millis().try_into().unwrap_or(u64::MAX)
 }
 
-pub async fn try_acquire(
+enum Attempt {
+    Won {
+        conn: MultiplexedConnection,
+        fence: i64,
+        clean: bool,
+        sent: Instant,
+    },
+    Held {
+        holder: HolderInfo,
+        expires_in: Duration,
+    },
+}
+
+/// A failed attempt, and whether retrying could mend it.
+struct Failure {
+    error: LockError,
+    permanent: bool,
+}
+
+impl Failure {
+    fn redis(target: &RedisTarget, e: &RedisError) -> Failure {
+        Failure {
+            error: lock_error(target, e),
+            permanent: is_permanent(e),
+        }
+    }
+
+    fn silent(target: &RedisTarget, limit: Duration) -> Failure {
+        Failure {
+            error: no_answer(target, limit),
+            permanent: false,
+        }
+    }
+}
+
+pub async fn acquire(
     target: &RedisTarget,
     request: &LockRequest<'_>,
 ) -> Result<Acquisition, LockError> {
     let timings = *request.timings;
+    let patience = request.patience;
     let keys = Keys::new(&target.prefix, request.name.as_str());
     let token = format!("{:032x}", rand::random::<u128>());
-    let give_up_at = Instant::now() + timings.connect_timeout;
-    // The script is idempotent for our token: a reply lost to a timeout cannot lock us out, so an
-    // ambiguous attempt is simply repeated until connect-timeout is spent.
-    let acquire = Script::new(ACQUIRE);
-    let mut invocation = acquire.key(&keys.lock);
+    let script = Script::new(ACQUIRE);
+    let mut invocation = script.key(&keys.lock);
     invocation
         .key(&keys.fence)
+        .key(&keys.clean)
         .arg(&token)
         .arg(request.holder.to_string())
         .arg(millis(timings.ttl));
+    // Subscribed before the first attempt, so a release in between is not missed.
+    let mut releases = match patience {
+        Patience::None => None,
+        _ => subscribe(target, &keys, timings.connect_timeout).await,
+    };
+    let mut conn = None;
+    let fail_closed_at = Instant::now() + timings.connect_timeout;
+    let mut answered = false;
+    let (mut log, mut backoff) = (WaitLog::new(), Backoff::new());
     loop {
-        let remaining = give_up_at.saturating_duration_since(Instant::now());
-        let failure = match timeout(remaining, connect(target, remaining)).await {
-            Err(_) => no_answer(target, timings.connect_timeout),
-            Ok(Err(e)) if is_permanent(&e) => return Err(lock_error(target, &e)),
-            Ok(Err(e)) => lock_error(target, &e),
-            Ok(Ok(mut conn)) => {
-                let sent = Instant::now();
-                match timeout(
-                    timings.check_timeout,
-                    invocation.invoke_async::<i64>(&mut conn),
-                )
-                .await
-                {
-                    Ok(Ok(0)) => {
-                        let holder = describe_holder(&mut conn, &keys, timings.check_timeout).await;
-                        return Ok(Acquisition::HeldElsewhere(holder));
-                    }
-                    Ok(Ok(fence)) => {
-                        info!(
-                            fencing_token = fence,
-                            key = %keys.lock,
-                            ttl = %humantime::format_duration(timings.ttl),
-                            "redis lease acquired"
-                        );
-                        let lease = Lease {
-                            target: target.clone(),
-                            keys,
-                            token,
-                            conn: Some(conn),
-                            timings,
-                            valid_until: sent + timings.redis_lease_validity(),
-                        };
-                        return Ok(Acquisition::Acquired(HeldLock::Redis(RedisLock {
-                            fence,
-                            watched: WatchedLock::spawn(|ends| lease.run(sent, ends)),
-                        })));
-                    }
-                    Ok(Err(e)) if is_permanent(&e) => return Err(lock_error(target, &e)),
-                    Ok(Err(e)) => lock_error(target, &e),
-                    Err(_) => no_answer(target, timings.check_timeout),
-                }
+        let failure = match attempt(target, &mut conn, &invocation, &keys, &timings).await {
+            Ok(Attempt::Won {
+                conn,
+                fence,
+                clean,
+                sent,
+            }) => {
+                info!(
+                    fencing_token = fence,
+                    key = %keys.lock,
+                    ttl = %humantime::format_duration(timings.ttl),
+                    previous_release = if clean { "clean" } else { "expired" },
+                    "redis lease acquired"
+                );
+                let lease = Lease {
+                    target: target.clone(),
+                    keys,
+                    token,
+                    conn: Some(conn),
+                    timings,
+                    valid_until: sent + timings.redis_lease_validity(),
+                };
+                return Ok(Acquisition::Acquired(HeldLock::Redis(RedisLock {
+                    fence,
+                    clean,
+                    watched: WatchedLock::spawn(|ends| lease.run(sent, ends)),
+                })));
             }
+            Ok(Attempt::Held { holder, expires_in }) => {
+                if patience.exhausted() {
+                    return Ok(Acquisition::HeldElsewhere(holder));
+                }
+                answered = true;
+                backoff.reset();
+                if log.due() {
+                    log.waiting(&holder);
+                }
+                // A crashed holder's key frees only by expiry, which announces nothing.
+                let jitter = Duration::from_millis(rand::random_range(0..MAX_JITTER_MS));
+                wait_for_release(
+                    &mut releases,
+                    patience.cap(expires_in.min(MAX_POLL) + jitter),
+                )
+                .await;
+                continue;
+            }
+            Err(failure) => failure,
         };
-        if Instant::now() + ACQUIRE_RETRY_PAUSE >= give_up_at {
-            return Err(failure);
+        if failure.permanent {
+            return Err(failure.error);
         }
-        debug!(error = %failure, "redis acquisition attempt failed; retrying");
-        tokio::time::sleep(ACQUIRE_RETRY_PAUSE).await;
+        if answered {
+            if patience.exhausted() {
+                return Err(failure.error);
+            }
+            backoff.pause(&failure.error, patience).await;
+        } else {
+            // Before the first answer the guard fails closed, but the acquire script is idempotent
+            // for our token: a reply lost to a timeout is simply asked again until connect-timeout.
+            if Instant::now() + ACQUIRE_RETRY_PAUSE >= fail_closed_at {
+                return Err(failure.error);
+            }
+            debug!(error = %failure.error, "redis acquisition attempt failed; retrying");
+            tokio::time::sleep(ACQUIRE_RETRY_PAUSE).await;
+        }
+    }
+}
+
+/// One run of the acquire script, on the kept connection or a new one; a failed connection is dropped.
+async fn attempt(
+    target: &RedisTarget,
+    slot: &mut Option<MultiplexedConnection>,
+    invocation: &redis::ScriptInvocation<'_>,
+    keys: &Keys,
+    timings: &Timings,
+) -> Result<Attempt, Failure> {
+    let mut conn = match slot.take() {
+        Some(conn) => conn,
+        None => match timeout(
+            timings.connect_timeout,
+            connect(target, timings.connect_timeout),
+        )
+        .await
+        {
+            Ok(Ok(conn)) => conn,
+            Ok(Err(e)) => return Err(Failure::redis(target, &e)),
+            Err(_) => return Err(Failure::silent(target, timings.connect_timeout)),
+        },
+    };
+    let sent = Instant::now();
+    let (fence, clean) = match timeout(
+        timings.check_timeout,
+        invocation.invoke_async::<(i64, i64)>(&mut conn),
+    )
+    .await
+    {
+        Ok(Ok(reply)) => reply,
+        Ok(Err(e)) => return Err(Failure::redis(target, &e)),
+        Err(_) => return Err(Failure::silent(target, timings.check_timeout)),
+    };
+    if fence > 0 {
+        return Ok(Attempt::Won {
+            conn,
+            fence,
+            clean: clean == 1,
+            sent,
+        });
+    }
+    let read = describe_holder(&mut conn, keys, timings.check_timeout).await;
+    *slot = Some(conn);
+    let (holder, expires_in) = read.unwrap_or_else(|| {
+        (
+            HolderInfo::default().with("holder", "unknown (released while being looked up)"),
+            Duration::ZERO,
+        )
+    });
+    Ok(Attempt::Held { holder, expires_in })
+}
+
+async fn subscribe(target: &RedisTarget, keys: &Keys, limit: Duration) -> Option<PubSub> {
+    let subscribed = timeout(limit, async {
+        let mut pubsub = target.client.get_async_pubsub().await?;
+        pubsub.subscribe(&keys.released).await?;
+        Ok::<_, RedisError>(pubsub)
+    })
+    .await;
+    match subscribed {
+        Ok(Ok(pubsub)) => Some(pubsub),
+        Ok(Err(e)) => {
+            warn!(error = %target.url.scrub(e), "cannot subscribe to release announcements; polling only");
+            None
+        }
+        Err(_) => {
+            warn!("cannot subscribe to release announcements in time; polling only");
+            None
+        }
+    }
+}
+
+/// Sleeps for `nap`, or less if a release is announced. A broken subscription falls back to polling.
+async fn wait_for_release(releases: &mut Option<PubSub>, nap: Duration) {
+    let Some(pubsub) = releases else {
+        tokio::time::sleep(nap).await;
+        return;
+    };
+    let subscription_ended = {
+        let mut messages = pubsub.on_message();
+        tokio::select! {
+            _ = tokio::time::sleep(nap) => false,
+            message = messages.next() => message.is_none(),
+        }
+    };
+    if subscription_ended {
+        warn!("release announcements stopped; polling only");
+        *releases = None;
+    }
+}
+
+/// Who holds `name` now, without taking it.
+pub async fn status(
+    target: &RedisTarget,
+    name: &LockName,
+    connect_limit: Duration,
+    answer: Duration,
+) -> Result<Option<HolderInfo>, LockError> {
+    let keys = Keys::new(&target.prefix, name.as_str());
+    let mut conn = match timeout(connect_limit, connect(target, connect_limit)).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(e)) => return Err(lock_error(target, &e)),
+        Err(_) => return Err(no_answer(target, connect_limit)),
+    };
+    match timeout(answer, read_lease(&mut conn, &keys)).await {
+        Ok(Ok(lease)) => Ok(lease.map(|(holder, _)| holder)),
+        Ok(Err(e)) => Err(lock_error(target, &e)),
+        Err(_) => Err(no_answer(target, answer)),
     }
 }
 
 /// The holder's identity and fencing token from the key's value (never its secret token), and how
-/// long its lease still runs.
-async fn describe_holder(conn: &mut MultiplexedConnection, keys: &Keys, limit: Duration) -> String {
-    let read = timeout(
-        limit,
-        redis::pipe()
-            .get(&keys.lock)
-            .pttl(&keys.lock)
-            .query_async::<(Option<String>, i64)>(conn),
-    )
-    .await;
-    match read {
-        Ok(Ok((Some(value), remaining_ms))) => {
-            let about = value.split_once(' ').map_or("", |(_, rest)| rest);
-            let remaining = Duration::from_millis(remaining_ms.max(0) as u64);
-            format!(
-                "{about} ttl_remaining={}",
-                humantime::format_duration(remaining)
-            )
-        }
-        Ok(Ok((None, _))) => "unknown (released while being looked up)".to_owned(),
-        _ => "unknown (the holder could not be read)".to_owned(),
-    }
+/// long its lease still runs. `None` once the key is gone or unreadable.
+async fn describe_holder(
+    conn: &mut MultiplexedConnection,
+    keys: &Keys,
+    limit: Duration,
+) -> Option<(HolderInfo, Duration)> {
+    timeout(limit, read_lease(conn, keys)).await.ok()?.ok()?
+}
+
+async fn read_lease(
+    conn: &mut MultiplexedConnection,
+    keys: &Keys,
+) -> Result<Option<(HolderInfo, Duration)>, RedisError> {
+    let (value, remaining_ms): (Option<String>, i64) = redis::pipe()
+        .get(&keys.lock)
+        .pttl(&keys.lock)
+        .query_async(conn)
+        .await?;
+    Ok(value.map(|value| {
+        let about = value.split_once(' ').map_or("", |(_, rest)| rest);
+        let fence = about
+            .split_whitespace()
+            .find_map(|kv| kv.strip_prefix("fence="));
+        let remaining = Duration::from_millis(remaining_ms.max(0) as u64);
+        let holder = HolderInfo::default()
+            .with("fencing_token", fence.unwrap_or("unknown"))
+            .with_guard(Holder::parse(about))
+            .with("ttl_remaining", humantime::format_duration(remaining));
+        (holder, remaining)
+    }))
 }
 
 /// A held lease, kept alive by a renewal task.
 pub struct RedisLock {
     fence: i64,
+    clean: bool,
     watched: WatchedLock,
 }
 
 impl RedisLock {
+    pub fn previous_release_was_clean(&self) -> bool {
+        self.clean
+    }
+
     pub fn fencing_token(&self) -> i64 {
         self.fence
     }
@@ -349,14 +555,15 @@ impl Lease {
     /// Compare-and-delete, then a message on the release channel for waiting instances. A key that
     /// holds another token is never deleted.
     async fn release(mut self) -> Result<(), LockError> {
-        let token = self.token.clone();
-        let (lock, released) = (self.keys.lock.clone(), self.keys.released.clone());
-        match self
-            .bounded(Script::new(RELEASE).key(&lock).key(&released).arg(&token))
-            .await
-        {
-            Ok(1) => info!(key = %lock, "redis lease released"),
-            Ok(_) => warn!(key = %lock, "redis lease was no longer ours at release"),
+        let release = Script::new(RELEASE);
+        let mut invocation = release.key(&self.keys.lock);
+        invocation
+            .key(&self.keys.clean)
+            .key(&self.keys.released)
+            .arg(&self.token);
+        match self.bounded(&invocation).await {
+            Ok(1) => info!(key = %self.keys.lock, "redis lease released"),
+            Ok(_) => warn!(key = %self.keys.lock, "redis lease was no longer ours at release"),
             Err(error) => {
                 warn!(error = %error, "redis lease release failed; it expires within ttl")
             }

@@ -15,7 +15,7 @@ use tracing::{debug, info, warn};
 
 use crate::cli::ForwardTo;
 pub use reaper::AppStatus;
-pub use signals::{is_shutdown, signal_name, SignalEvents};
+pub use signals::{ends_wait, is_shutdown, signal_name, SignalEvents};
 pub use spawn::{AppEnv, SpawnError};
 
 /// How often teardown re-reads the process tree while waiting for it to empty.

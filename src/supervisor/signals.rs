@@ -43,6 +43,19 @@ pub fn is_shutdown(signal: i32) -> bool {
     signal == Signal::SIGTERM as i32 || signal == Signal::SIGINT as i32
 }
 
+/// Signals that end the guard while no app runs yet (taking or waiting for the lock, takeover delay):
+/// the ones whose default action would have terminated it.
+pub fn ends_wait(signal: i32) -> bool {
+    [
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+        Signal::SIGQUIT,
+    ]
+    .iter()
+    .any(|s| *s as i32 == signal)
+}
+
 pub fn signal_name(signal: i32) -> String {
     match Signal::try_from(signal) {
         Ok(named) => named.as_str().to_owned(),

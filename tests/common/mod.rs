@@ -165,10 +165,14 @@ impl Lab {
         format!("file://{}", self.path(name).display())
     }
 
-    /// A command line: `sentinel-guard <args> -- <app...>`, environment cleaned of the guard's own vars.
+    /// A command line: `sentinel-guard <args> -- <app...>` (no `--` without an app), environment
+    /// cleaned of the guard's own vars.
     pub fn command(&self, args: &[&str], app: &[&str]) -> Command {
         let mut cmd = Command::new(GUARD);
-        cmd.args(args).arg("--").args(app);
+        cmd.args(args);
+        if !app.is_empty() {
+            cmd.arg("--").args(app);
+        }
         for (key, _) in std::env::vars() {
             if key.starts_with("SENTINEL_GUARD_") || key == "SINGLE_INSTANCE_GUARD" {
                 cmd.env_remove(key);
@@ -221,12 +225,12 @@ impl Lab {
     }
 }
 
-/// An app that records `start <pid>` in `trace`, writes its pid to `pidfile`, and on the stop signal
-/// records `stop <pid>` and exits 0.
+/// An app that records `start <pid>` in `trace`, then writes its pid to `pidfile` (so a pid implies a
+/// recorded start), and on SIGTERM records `stop <pid>` and exits 0.
 pub fn recording_app(trace: &Path, pidfile: &Path) -> Vec<String> {
     let script = format!(
-        "echo $$ > {pid}.tmp && mv {pid}.tmp {pid}; echo start $$ >> {trace}; \
-         trap 'echo stop $$ >> {trace}; exit 0' TERM; while :; do sleep 0.05; done",
+        "trap 'echo stop $$ >> {trace}; exit 0' TERM; echo start $$ >> {trace}; \
+         echo $$ > {pid}.tmp && mv {pid}.tmp {pid}; while :; do sleep 0.05; done",
         pid = pidfile.display(),
         trace = trace.display()
     );
@@ -359,4 +363,81 @@ pub fn trace_lines(trace: &Path) -> Vec<String> {
         .lines()
         .map(str::to_owned)
         .collect()
+}
+
+/// Asserts that no two app lifetimes in a trace of `start <id>` / `stop <id>` lines overlap, and
+/// returns how many apps ran.
+pub fn assert_no_overlap(trace: &Path) -> usize {
+    let lines = trace_lines(trace);
+    let mut running: Option<String> = None;
+    let mut started = 0;
+    for line in &lines {
+        match line.split_once(' ') {
+            Some(("start", id)) => {
+                assert!(
+                    running.is_none(),
+                    "app {id} started while {running:?} ran: {lines:?}"
+                );
+                running = Some(id.to_owned());
+                started += 1;
+            }
+            Some(("stop", id)) => {
+                assert_eq!(running.as_deref(), Some(id), "unexpected stop: {lines:?}");
+                running = None;
+            }
+            _ => panic!("bad trace line {line:?}"),
+        }
+    }
+    started
+}
+
+/// A lock backend under test: a private server, or a file.
+pub enum Backend {
+    Mysql(mariadb::MariaDb),
+    Redis(redis::Redis),
+    File(Lab),
+}
+
+impl Backend {
+    pub fn all() -> Vec<Backend> {
+        vec![
+            Backend::Mysql(mariadb::MariaDb::start()),
+            Backend::Redis(redis::Redis::start()),
+            Backend::File(Lab::new()),
+        ]
+    }
+
+    pub fn url(&self) -> String {
+        match self {
+            Backend::Mysql(db) => db.url(),
+            Backend::Redis(redis) => redis.url(),
+            Backend::File(lab) => lab.file_url("backend.lock"),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Backend::Mysql(_) => "mysql",
+            Backend::Redis(_) => "redis",
+            Backend::File(_) => "file",
+        }
+    }
+
+    /// Guard flags with short timings that are valid for this backend.
+    pub fn fast_args(&self) -> Vec<&'static str> {
+        let mut args = FAST.to_vec();
+        if let Backend::Redis(_) = self {
+            args = fast_with(&[
+                "--ttl",
+                "3s",
+                "--renew-interval",
+                "500ms",
+                "--check-timeout",
+                "500ms",
+                "--grace-period",
+                "1s",
+            ]);
+        }
+        args
+    }
 }
