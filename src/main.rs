@@ -22,6 +22,18 @@ use crate::config::{Config, Invocation};
 use crate::outcome::{Outcome, EXIT_INTERNAL, EXIT_USAGE};
 
 fn main() -> ExitCode {
+    // The guard's own watchdog process, not a command for operators (hidden from --help).
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|arg| arg == "__watchdog")
+    {
+        init_logging(LogFormat::Text);
+        let args: Vec<String> = std::env::args_os()
+            .skip(2)
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        return supervisor::watchdog::main(&args);
+    }
     let cli = Cli::parse();
     let guard_switch =
         std::env::var_os("SINGLE_INSTANCE_GUARD").map(|v| v.to_string_lossy().into_owned());

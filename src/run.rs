@@ -162,11 +162,27 @@ impl Guard<'_> {
         let max_runtime_at = config.max_runtime.map(|d| Instant::now() + d);
         let mut kill_at: Option<Instant> = None;
         let grace = config.timings.grace_period;
+        let mut app_deadline = held.as_ref().and_then(HeldLock::app_deadline);
+        if let Some(deadline) = &app_deadline {
+            if let Err(e) = app.arm_watchdog(config.stop_signal, grace, *deadline.borrow()) {
+                error!(error = %e, "cannot start the watchdog that stops the app should the guard freeze; stopping the app");
+                app.stop_tree(config.stop_signal, grace).await;
+                release(held).await;
+                return Outcome::Internal;
+            }
+        }
         loop {
             tokio::select! {
+                dead_by = next_deadline(&mut app_deadline) => app.extend_watchdog(dead_by),
                 status = app.app_exit() => {
                     info!(app_pid = app.app_pid().as_raw(), %status, "app ended");
                     app.stop_tree(config.stop_signal, grace).await;
+                    // A guard that was frozen past its lock's deadline finds its app stopped by the
+                    // watchdog: that is a lost lock, not an app that ended on its own.
+                    if app_deadline.as_ref().is_some_and(|deadline| Instant::now() >= *deadline.borrow()) {
+                        error!(reason = "guard_frozen", "the lock ran out while the guard was unresponsive; the watchdog stopped the app");
+                        return Outcome::LockLost;
+                    }
                     release(held).await;
                     return Outcome::AppExited(status);
                 }
@@ -202,6 +218,17 @@ impl Guard<'_> {
             }
         }
     }
+}
+
+/// The next moment the backend watcher sets for the app to be dead by.
+async fn next_deadline(deadline: &mut Option<tokio::sync::watch::Receiver<Instant>>) -> Instant {
+    if let Some(rx) = deadline {
+        if rx.changed().await.is_ok() {
+            return *rx.borrow_and_update();
+        }
+    }
+    // No deadline, or the watcher has ended, which `lost` reports.
+    std::future::pending().await
 }
 
 /// The next signal that asks the guard to stop while no app runs yet; others have no one to go to.

@@ -250,6 +250,17 @@ impl HeldLock {
         }
     }
 
+    /// By when the app must be dead if the guard hears nothing more from the backend, for the
+    /// watchdog that acts if the guard itself freezes. `None` for a file lock: the kernel keeps a
+    /// frozen guard's flock, so no one else can take it meanwhile.
+    pub fn app_deadline(&self) -> Option<tokio::sync::watch::Receiver<Instant>> {
+        match self {
+            HeldLock::Mysql(lock) => Some(lock.app_deadline()),
+            HeldLock::Redis(lock) => Some(lock.app_deadline()),
+            HeldLock::File(_) => None,
+        }
+    }
+
     /// What the app learns about this acquisition beyond name, backend and holder id.
     pub fn app_env(&self) -> Vec<(&'static str, String)> {
         match self {

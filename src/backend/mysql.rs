@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, OptsBuilder};
-use tokio::time::timeout;
+use tokio::time::{timeout, Instant};
 use tracing::{debug, info, warn};
 
 use super::watched::{WatchedLock, WatcherEnds};
@@ -298,8 +298,10 @@ impl MysqlLock {
             check_sql: check_sql(request),
             release_sql: format!("SELECT RELEASE_LOCK('{}')", request.name.as_str()),
             budget: request.timings.detection_bound(),
+            grace: request.timings.grace_period,
         };
-        MysqlLock(WatchedLock::spawn(|ends| watcher.run(conn, ends)))
+        let dead_by = Instant::now() + watcher.budget + watcher.grace;
+        MysqlLock(WatchedLock::spawn(dead_by, |ends| watcher.run(conn, ends)))
     }
 
     pub async fn lost(&mut self) -> LockLoss {
@@ -308,6 +310,10 @@ impl MysqlLock {
 
     pub async fn release(self) -> Result<(), LockError> {
         self.0.release().await
+    }
+
+    pub fn app_deadline(&self) -> tokio::sync::watch::Receiver<Instant> {
+        self.0.app_deadline()
     }
 }
 
@@ -329,6 +335,7 @@ struct Watcher {
     release_sql: String,
     /// check-interval (the server-side sleep) + check-timeout.
     budget: Duration,
+    grace: Duration,
 }
 
 /// The row of `check_sql`, or why there is none.
@@ -345,6 +352,8 @@ enum Check {
 impl Watcher {
     async fn run(self, mut conn: Conn, mut ends: WatcherEnds) -> Result<(), LockError> {
         loop {
+            // If this check is not answered in time, the guard stops the app within the grace period.
+            ends.app_dead_by(Instant::now() + self.budget + self.grace);
             let (check, releasing) = {
                 let check = timeout(
                     self.budget,

@@ -223,7 +223,7 @@ pub async fn acquire(
                 return Ok(Acquisition::Acquired(HeldLock::Redis(RedisLock {
                     fence,
                     clean,
-                    watched: WatchedLock::spawn(|ends| lease.run(sent, ends)),
+                    watched: WatchedLock::spawn(lease.valid_until, |ends| lease.run(sent, ends)),
                 })));
             }
             Ok(Attempt::Held { holder, expires_in }) => {
@@ -432,6 +432,10 @@ impl RedisLock {
     pub async fn release(self) -> Result<(), LockError> {
         self.watched.release().await
     }
+
+    pub fn app_deadline(&self) -> tokio::sync::watch::Receiver<Instant> {
+        self.watched.app_deadline()
+    }
 }
 
 struct Lease {
@@ -475,6 +479,7 @@ impl Lease {
             match step {
                 Step::Renewed(Renewal::Confirmed { sent }) => {
                     self.valid_until = sent + self.timings.redis_lease_validity();
+                    ends.app_dead_by(self.valid_until);
                     next_attempt = sent + self.timings.renew_interval;
                     debug!("redis lease renewed");
                 }

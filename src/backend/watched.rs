@@ -5,6 +5,7 @@ use std::future::Future;
 
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::{LockError, LockLoss};
@@ -13,38 +14,53 @@ use super::{LockError, LockLoss};
 pub struct WatcherEnds {
     pub lost: watch::Sender<Option<LockLoss>>,
     pub release: oneshot::Receiver<()>,
+    dead_by: watch::Sender<Instant>,
 }
 
 impl WatcherEnds {
     pub fn report(&self, loss: LockLoss) {
         let _ = self.lost.send(Some(loss));
     }
+
+    /// Publishes by when the app must be dead if ownership is not proven again before then.
+    pub fn app_dead_by(&self, at: Instant) {
+        let _ = self.dead_by.send(at);
+    }
 }
 
 pub struct WatchedLock {
     lost: watch::Receiver<Option<LockLoss>>,
+    dead_by: watch::Receiver<Instant>,
     release: Option<oneshot::Sender<()>>,
     watcher: JoinHandle<Result<(), LockError>>,
 }
 
 impl WatchedLock {
-    /// Starts `watcher` as a task in the caller's tracing span.
-    pub fn spawn<F, Fut>(watcher: F) -> WatchedLock
+    /// Starts `watcher` as a task in the caller's tracing span; `dead_by` is the app's first deadline.
+    pub fn spawn<F, Fut>(dead_by: Instant, watcher: F) -> WatchedLock
     where
         F: FnOnce(WatcherEnds) -> Fut,
         Fut: Future<Output = Result<(), LockError>> + Send + 'static,
     {
         let (lost_tx, lost) = watch::channel(None);
+        let (dead_by_tx, dead_by) = watch::channel(dead_by);
         let (release, release_rx) = oneshot::channel();
         let task = watcher(WatcherEnds {
             lost: lost_tx,
             release: release_rx,
+            dead_by: dead_by_tx,
         });
         WatchedLock {
             lost,
+            dead_by,
             release: Some(release),
             watcher: tokio::spawn(task.in_current_span()),
         }
+    }
+
+    /// The latest moment by which the app must be dead, as the watcher keeps moving it.
+    pub fn app_deadline(&self) -> watch::Receiver<Instant> {
+        self.dead_by.clone()
     }
 
     /// Resolves once the watcher reports the lock lost. Cancel-safe.

@@ -4,6 +4,7 @@ mod reaper;
 mod signals;
 mod spawn;
 mod tree;
+pub mod watchdog;
 
 use std::time::Duration;
 
@@ -34,6 +35,7 @@ pub struct Supervisor {
     app: Pid,
     guard: Pid,
     forward_to: ForwardTo,
+    watchdog: Option<watchdog::Watchdog>,
 }
 
 impl Supervisor {
@@ -51,7 +53,30 @@ impl Supervisor {
             app,
             guard: getpid(),
             forward_to,
+            watchdog: None,
         })
+    }
+
+    /// Starts the watchdog that stops the app by `dead_by` should the guard freeze.
+    pub fn arm_watchdog(
+        &mut self,
+        stop_signal: Signal,
+        grace: Duration,
+        dead_by: Instant,
+    ) -> std::io::Result<()> {
+        self.watchdog = Some(watchdog::Watchdog::spawn(
+            self.app,
+            stop_signal,
+            grace,
+            dead_by,
+        )?);
+        Ok(())
+    }
+
+    pub fn extend_watchdog(&mut self, dead_by: Instant) {
+        if let Some(watchdog) = &mut self.watchdog {
+            watchdog.extend(dead_by);
+        }
     }
 
     pub fn app_pid(&self) -> Pid {
@@ -84,6 +109,8 @@ impl Supervisor {
     /// left it, up to `grace` for them to exit, then SIGKILL until nothing is left. Returns only once
     /// no process of the app is alive, so the lock may be released.
     pub async fn stop_tree(&mut self, signal: Signal, grace: Duration) {
+        // The guard stops the app itself now; closing the pipe lets the watchdog exit.
+        self.watchdog = None;
         let deadline = Instant::now() + grace;
         if self.signal_tree(signal) {
             info!(signal = %signal, grace = %humantime::format_duration(grace), "stopping app process tree");
