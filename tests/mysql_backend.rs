@@ -199,55 +199,6 @@ fn silent_partition_stops_the_app_before_the_server_frees_the_lock() {
 }
 
 #[test]
-fn twenty_guards_started_at_once_run_exactly_one_app() {
-    let db = MariaDb::start();
-    let mut lab = Lab::new();
-    let url = db.url();
-    let trace = lab.path("trace");
-    let mut guards: Vec<_> = (0..20)
-        .map(|i| {
-            let pidfile = lab.path(&format!("pid-{i}"));
-            lab.spawn(
-                &args(&url, "herd", &[]),
-                &as_strs(&recording_app(&trace, &pidfile)),
-            )
-        })
-        .collect();
-    let mut refused = 0;
-    let mut leader = None;
-    for (i, guard) in guards.iter_mut().enumerate() {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            if let Some(status) = guard.child.try_wait().unwrap() {
-                assert_eq!(status.code(), Some(1), "{}", guard.log_text());
-                refused += 1;
-                break;
-            }
-            if lab.path(&format!("pid-{i}")).exists() {
-                assert!(leader.replace(i).is_none(), "two apps started");
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "guard {i} neither ran nor exited"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-    assert_eq!(refused, 19);
-    assert_eq!(
-        trace_lines(&trace)
-            .iter()
-            .filter(|l| l.starts_with("start"))
-            .count(),
-        1
-    );
-    let leader = leader.expect("one app runs");
-    guards[leader].signal(15);
-    assert_eq!(guards[leader].code(Duration::from_secs(10)), 0);
-}
-
-#[test]
 fn wrong_password_exits_69_and_never_prints_the_password() {
     let db = MariaDb::start();
     let mut lab = Lab::new();

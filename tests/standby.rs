@@ -139,6 +139,10 @@ fn redis_standby_skips_the_takeover_delay_after_a_clean_release() {
         Duration::from_secs(10),
     );
     assert_eq!(code, 0, "{log}");
+    assert!(
+        log.contains("holding it for the takeover delay"),
+        "a first acquisition is not known clean: {log}"
+    );
     let started = Instant::now();
     let (code, log) = lab.run(
         &guard_args(&backend, &url, &["--takeover-delay", "5s"]),

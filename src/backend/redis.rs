@@ -23,8 +23,9 @@ use crate::config::{LockName, RedisTarget, Timings};
 use crate::holder::Holder;
 
 /// The value is `<token> fence=<n> <holder>`; the token is its first word. Returns `{fence, clean}`:
-/// fence 0 when held by another token; clean 1 when the previous lease was released by its owner
-/// (its fence is the one recorded in the clean key) rather than left to expire.
+/// fence 0 when held by another token; clean 1 only when the previous lease was released by its owner
+/// (its fence is the one recorded in the clean key). A missing counter means a first acquisition or
+/// a server that lost its data: nobody can tell which, so it does not count as clean.
 const ACQUIRE: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current then
@@ -36,7 +37,7 @@ if current then
 end
 local previous = redis.call('GET', KEYS[2])
 local clean = 0
-if previous == false or previous == redis.call('GET', KEYS[3]) then
+if previous and previous == redis.call('GET', KEYS[3]) then
   clean = 1
 end
 local fence = redis.call('INCR', KEYS[2])

@@ -1,0 +1,459 @@
+//! The no-overlap proof: every fault, on every backend it applies to, for several rounds.
+//!
+//! Each round runs a leader and a `--wait --takeover-delay` standby, both running an app that records
+//! its start and stop in a shared trace and takes 500ms to stop. Then it injects one fault, measures
+//! how long until the leader's app is dead (detect) and until the standby's app starts (takeover),
+//! heals the fault, stops everything and checks: no two app lifetimes overlap, no app or guard
+//! process outlives the round. Each test prints its row of the table in docs/guarantees.md and
+//! writes it to `target/tmp/fault-matrix/`. `SENTINEL_MATRIX_ROUNDS` sets the rounds (default 2).
+
+mod common;
+
+use std::fs;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::mariadb::MariaDb;
+use common::proxy::Proxy;
+use common::redis::Redis;
+use common::*;
+
+const TAKEOVER_DELAY: &str = "3s";
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Mysql,
+    Redis,
+    File,
+}
+
+impl Kind {
+    fn start(self) -> Backend {
+        match self {
+            Kind::Mysql => Backend::Mysql(MariaDb::start()),
+            Kind::Redis => Backend::Redis(Redis::start()),
+            Kind::File => Backend::File(Lab::new()),
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Fault {
+    GuardKill,
+    GuardFreeze,
+    ServerKill,
+    ServerFreeze,
+    ServerRestart,
+    ConnectionKill,
+    ClientKill,
+    KeyDelete,
+    KeyOverwrite,
+    LockFileDelete,
+    LockFileReplace,
+    Partition,
+}
+
+/// What a fault must lead to.
+struct Expect {
+    leader_stops: bool,
+    standby_takes_over: bool,
+}
+
+fn port_of(backend: &Backend) -> u16 {
+    match backend {
+        Backend::Mysql(db) => db.port,
+        Backend::Redis(redis) => redis.port,
+        Backend::File(_) => unreachable!("no server"),
+    }
+}
+
+fn url_via(backend: &Backend, port: u16) -> String {
+    match backend {
+        Backend::Mysql(db) => db.url_with_port(port),
+        Backend::Redis(_) => format!("redis://127.0.0.1:{port}"),
+        Backend::File(_) => unreachable!("no server"),
+    }
+}
+
+fn server_pid(backend: &Backend) -> i32 {
+    match backend {
+        Backend::Mysql(db) => db.pid(),
+        Backend::Redis(redis) => redis.pid(),
+        Backend::File(_) => unreachable!("no server"),
+    }
+}
+
+/// An app that records `start`/`stop` like `recording_app`, but takes 500ms to stop: without the
+/// takeover delay, a standby that starts the moment the server frees the lock would overlap it.
+fn slow_stopping_app(trace: &Path, pidfile: &Path) -> Vec<String> {
+    let script = format!(
+        "trap 'sleep 0.5; echo stop $$ >> {t}; exit 0' TERM; echo start $$ >> {t}; \
+         echo $$ > {p}.tmp && mv {p}.tmp {p}; while :; do sleep 0.05; done",
+        t = trace.display(),
+        p = pidfile.display()
+    );
+    vec!["sh".into(), "-c".into(), script]
+}
+
+/// Processes whose command line mentions `dir`: every app of the round does, via its trace path.
+fn survivors(dir: &Path) -> Vec<i32> {
+    let needle = dir.to_string_lossy().into_owned();
+    fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| *pid != std::process::id() as i32 && alive(*pid))
+        .filter(|pid| {
+            fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(&needle))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+struct Measured {
+    detect: Option<Duration>,
+    takeover: Option<Duration>,
+}
+
+fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
+    let mut backend = kind.start();
+    let proxy = (fault == Fault::Partition).then(|| Proxy::start(port_of(&backend)));
+    let direct = backend.url();
+    let leader_url = proxy
+        .as_ref()
+        .map_or(direct.clone(), |p| url_via(&backend, p.port));
+    let mut lab = Lab::new();
+    let trace = lab.path("trace");
+    let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
+    let args = |url: &str, extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = ["--url", url, "--name", "matrix"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        v.extend(backend.fast_args().iter().map(|s| s.to_string()));
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let leader_args = args(&leader_url, &[]);
+    let standby_args = args(&direct, &["--wait", "--takeover-delay", TAKEOVER_DELAY]);
+    let mut leader = lab.spawn(
+        &as_strs(&leader_args),
+        &as_strs(&slow_stopping_app(&trace, &lead_pid)),
+    );
+    let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
+    let mut standby = lab.spawn(
+        &as_strs(&standby_args),
+        &as_strs(&slow_stopping_app(&trace, &standby_pid)),
+    );
+    assert!(
+        wait_until(Duration::from_secs(10), || standby
+            .log_text()
+            .contains("waiting")),
+        "{}",
+        standby.log_text()
+    );
+
+    let faulted = Instant::now();
+    match fault {
+        Fault::GuardKill => leader.signal(9),
+        Fault::GuardFreeze => leader.signal(19),
+        Fault::ServerKill => match &mut backend {
+            Backend::Mysql(db) => db.kill9(),
+            Backend::Redis(redis) => redis.kill9(),
+            Backend::File(_) => unreachable!(),
+        },
+        Fault::ServerFreeze => send(server_pid(&backend), 19),
+        Fault::ServerRestart => match &mut backend {
+            Backend::Mysql(db) => db.restart(),
+            Backend::Redis(redis) => redis.restart(),
+            Backend::File(_) => unreachable!(),
+        },
+        Fault::ConnectionKill => {
+            let Backend::Mysql(db) = &backend else {
+                unreachable!()
+            };
+            db.sql(&format!("KILL {}", db.holder_of("matrix").expect("held")));
+        }
+        Fault::ClientKill => {
+            let Backend::Redis(redis) = &backend else {
+                unreachable!()
+            };
+            redis.cli(&["CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"]);
+        }
+        Fault::KeyDelete | Fault::KeyOverwrite => {
+            let Backend::Redis(redis) = &backend else {
+                unreachable!()
+            };
+            if fault == Fault::KeyDelete {
+                redis.cli(&["DEL", "sentinel-guard:{matrix}"]);
+            } else {
+                redis.cli(&["SET", "sentinel-guard:{matrix}", "intruder"]);
+            }
+        }
+        Fault::LockFileDelete | Fault::LockFileReplace => {
+            let Backend::File(files) = &backend else {
+                unreachable!()
+            };
+            let lock = files.path("backend.lock");
+            fs::remove_file(&lock).unwrap();
+            if fault == Fault::LockFileReplace {
+                fs::write(&lock, "").unwrap();
+            }
+        }
+        Fault::Partition => proxy.as_ref().unwrap().partition(),
+    }
+
+    let limit = Duration::from_secs(20);
+    let detect = wait_until(limit, || !alive(lead_app)).then(|| faulted.elapsed());
+    // A SIGKILLed app records no stop; the moment its death was seen is a late, hence safe, stand-in.
+    if detect.is_some() && !trace_lines(&trace).contains(&format!("stop {lead_app}")) {
+        let mut file = fs::OpenOptions::new().append(true).open(&trace).unwrap();
+        std::io::Write::write_all(&mut file, format!("stop {lead_app}\n").as_bytes()).unwrap();
+    }
+    assert_eq!(
+        detect.is_some(),
+        expect.leader_stops,
+        "{kind:?} {fault:?}: leader app stopped? log:\n{}",
+        leader.log_text()
+    );
+    // Heal what can be healed, so the standby can show whether it takes over.
+    match fault {
+        Fault::ServerFreeze => send(server_pid(&backend), 18),
+        Fault::ServerKill => match &mut backend {
+            Backend::Mysql(db) => db.restart(),
+            Backend::Redis(redis) => redis.restart(),
+            Backend::File(_) => unreachable!(),
+        },
+        _ => {}
+    }
+    let takeover_limit = if expect.standby_takes_over {
+        Duration::from_secs(40)
+    } else {
+        Duration::from_secs(4)
+    };
+    let takeover = wait_until(takeover_limit, || standby_pid.exists()).then(|| faulted.elapsed());
+    assert_eq!(
+        takeover.is_some(),
+        expect.standby_takes_over,
+        "{kind:?} {fault:?}: standby took over? log:\n{}",
+        standby.log_text()
+    );
+    if fault == Fault::GuardFreeze {
+        leader.signal(18);
+        assert_eq!(
+            leader.code(Duration::from_secs(10)),
+            75,
+            "{kind:?}: resumed guard: {}",
+            leader.log_text()
+        );
+    }
+
+    for guard in [&mut leader, &mut standby] {
+        if guard.child.try_wait().unwrap().is_none() {
+            guard.signal(15);
+            guard.wait(Duration::from_secs(10));
+        }
+    }
+    assert_no_overlap(&trace);
+    let stray = survivors(lab.dir.path());
+    assert!(
+        stray.is_empty(),
+        "{kind:?} {fault:?}: processes outlived their guards: {stray:?}"
+    );
+    Measured { detect, takeover }
+}
+
+fn rounds() -> usize {
+    std::env::var("SENTINEL_MATRIX_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(2)
+}
+
+fn show(samples: &[Option<Duration>]) -> String {
+    let mut values: Vec<Duration> = samples.iter().flatten().copied().collect();
+    if values.is_empty() {
+        return "-".to_owned();
+    }
+    values.sort();
+    let median = values[values.len() / 2];
+    let max = values[values.len() - 1];
+    format!("{} (max {})", ms(median), ms(max))
+}
+
+fn ms(d: Duration) -> String {
+    format!("{}ms", d.as_millis())
+}
+
+/// Runs the rounds for each backend and records the row: `| fault | mysql | redis | file |`, each
+/// cell `overlaps/orphans, detect, takeover`.
+fn row(fault: Fault, label: &str, cells: &[(Kind, Expect)]) {
+    let mut columns = Vec::new();
+    for kind in [Kind::Mysql, Kind::Redis, Kind::File] {
+        let Some((_, expect)) = cells.iter().find(|(k, _)| *k == kind) else {
+            columns.push("n/a".to_owned());
+            continue;
+        };
+        let measured: Vec<Measured> = (0..rounds()).map(|_| round(kind, fault, expect)).collect();
+        let detect: Vec<_> = measured.iter().map(|m| m.detect).collect();
+        let takeover: Vec<_> = measured.iter().map(|m| m.takeover).collect();
+        columns.push(format!(
+            "0 / 0; detect {}; takeover {}",
+            show(&detect),
+            show(&takeover)
+        ));
+    }
+    let line = format!("| {label} | {} |", columns.join(" | "));
+    eprintln!("{line}");
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fault-matrix");
+    fs::create_dir_all(&dir).unwrap();
+    fs::write(dir.join(format!("{fault:?}.md")), format!("{line}\n")).unwrap();
+}
+
+const STOPS_AND_HANDS_OVER: Expect = Expect {
+    leader_stops: true,
+    standby_takes_over: true,
+};
+
+#[test]
+fn guard_sigkill() {
+    row(
+        Fault::GuardKill,
+        "guard SIGKILL",
+        &[
+            (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Redis, STOPS_AND_HANDS_OVER),
+            (Kind::File, STOPS_AND_HANDS_OVER),
+        ],
+    );
+}
+
+#[test]
+fn guard_frozen() {
+    // A frozen guard keeps its flock: no one else can take it, so the app may go on.
+    row(
+        Fault::GuardFreeze,
+        "guard SIGSTOP",
+        &[
+            (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Redis, STOPS_AND_HANDS_OVER),
+        ],
+    );
+}
+
+#[test]
+fn server_sigkill_then_restart() {
+    row(
+        Fault::ServerKill,
+        "server SIGKILL, restarted",
+        &[
+            (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Redis, STOPS_AND_HANDS_OVER),
+        ],
+    );
+}
+
+#[test]
+fn server_frozen_then_resumed() {
+    row(
+        Fault::ServerFreeze,
+        "server SIGSTOP, resumed",
+        &[
+            (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Redis, STOPS_AND_HANDS_OVER),
+        ],
+    );
+}
+
+#[test]
+fn server_restart() {
+    row(
+        Fault::ServerRestart,
+        "server restart (Redis: empty)",
+        &[
+            (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Redis, STOPS_AND_HANDS_OVER),
+        ],
+    );
+}
+
+#[test]
+fn connection_killed() {
+    row(
+        Fault::ConnectionKill,
+        "`KILL <conn>`",
+        &[(Kind::Mysql, STOPS_AND_HANDS_OVER)],
+    );
+}
+
+#[test]
+fn client_kill() {
+    // A dropped connection is not a lost lease: the leader reconnects and keeps it.
+    row(
+        Fault::ClientKill,
+        "`CLIENT KILL` of the guard's connection",
+        &[(
+            Kind::Redis,
+            Expect {
+                leader_stops: false,
+                standby_takes_over: false,
+            },
+        )],
+    );
+}
+
+#[test]
+fn key_deleted() {
+    row(
+        Fault::KeyDelete,
+        "key `DEL`",
+        &[(Kind::Redis, STOPS_AND_HANDS_OVER)],
+    );
+}
+
+#[test]
+fn key_overwritten() {
+    // The intruder's key never expires: the leader stops, and no guard may take over.
+    row(
+        Fault::KeyOverwrite,
+        "key overwritten",
+        &[(
+            Kind::Redis,
+            Expect {
+                leader_stops: true,
+                standby_takes_over: false,
+            },
+        )],
+    );
+}
+
+#[test]
+fn lock_file_deleted() {
+    row(
+        Fault::LockFileDelete,
+        "lock file deleted",
+        &[(Kind::File, STOPS_AND_HANDS_OVER)],
+    );
+}
+
+#[test]
+fn lock_file_replaced() {
+    row(
+        Fault::LockFileReplace,
+        "lock file replaced",
+        &[(Kind::File, STOPS_AND_HANDS_OVER)],
+    );
+}
+
+#[test]
+fn network_partition() {
+    row(
+        Fault::Partition,
+        "network partition",
+        &[
+            (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Redis, STOPS_AND_HANDS_OVER),
+        ],
+    );
+}
