@@ -140,6 +140,13 @@ pub struct LockArgs {
 pub enum Subcommand {
     /// Show who holds the lock. Exit 0 = held, 3 = free, 69 = backend unreachable, 2 = usage
     Status(StatusArgs),
+    /// Print the man page (roff) to stdout
+    Man,
+    /// Print a shell completion script to stdout
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(Debug, Args)]

@@ -35,6 +35,8 @@ const MAX_NAME_LEN: usize = 64;
 pub enum Invocation {
     Guard(Config),
     Status(StatusConfig),
+    Man,
+    Completions(clap_complete::Shell),
 }
 
 impl Invocation {
@@ -44,6 +46,8 @@ impl Invocation {
             Some(Subcommand::Status(args)) => {
                 Ok(Invocation::Status(StatusConfig::from_args(args)?))
             }
+            Some(Subcommand::Man) => Ok(Invocation::Man),
+            Some(Subcommand::Completions { shell }) => Ok(Invocation::Completions(shell)),
             None => Ok(Invocation::Guard(Config::from_cli(cli, guard_switch)?)),
         }
     }

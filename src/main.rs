@@ -14,7 +14,7 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use tracing_subscriber::EnvFilter;
 
 use crate::cli::{Cli, LogFormat};
@@ -57,6 +57,11 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Invocation::Man => print_generated(|out| clap_mangen::Man::new(Cli::command()).render(out)),
+        Invocation::Completions(shell) => print_generated(|out| {
+            clap_complete::generate(shell, &mut Cli::command(), "sentinel-guard", out);
+            Ok(())
+        }),
         Invocation::Status(config) => match runtime() {
             Ok(runtime) => ExitCode::from(runtime.block_on(status::run(&config))),
             Err(e) => {
@@ -64,6 +69,20 @@ fn main() -> ExitCode {
                 ExitCode::from(EXIT_INTERNAL)
             }
         },
+    }
+}
+
+/// Man page and completions come from the clap definition itself, so they never drift from the CLI.
+fn print_generated(
+    render: impl FnOnce(&mut dyn std::io::Write) -> std::io::Result<()>,
+) -> ExitCode {
+    let mut stdout = std::io::stdout().lock();
+    match render(&mut stdout) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sentinel-guard: error: {e}");
+            ExitCode::from(EXIT_INTERNAL)
+        }
     }
 }
 

@@ -1,0 +1,62 @@
+//! The documentation cannot drift from the CLI: every option and environment variable the binary
+//! knows is in README.md, and the man page and completions are generated from the same definition.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::process::Command;
+
+use common::GUARD;
+
+fn help(args: &[&str]) -> String {
+    let out = Command::new(GUARD).args(args).output().unwrap();
+    assert!(out.status.success(), "{args:?}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn words_starting(text: &str, prefix: &str, allowed: impl Fn(char) -> bool) -> BTreeSet<String> {
+    text.match_indices(prefix)
+        .map(|(at, _)| {
+            let rest = &text[at + prefix.len()..];
+            let end = rest.find(|c: char| !allowed(c)).unwrap_or(rest.len());
+            format!("{prefix}{}", &rest[..end])
+        })
+        .collect()
+}
+
+#[test]
+fn every_option_and_env_var_in_help_is_in_the_readme() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let text = help(&["--help"]) + &help(&["status", "--help"]);
+    let options = words_starting(&text, "--", |c| c.is_ascii_lowercase() || c == '-');
+    let env_vars = words_starting(&text, "SENTINEL_GUARD_", |c| {
+        c.is_ascii_uppercase() || c == '_'
+    });
+    assert!(
+        options.len() > 15 && env_vars.len() > 15,
+        "help parsing broke: {options:?} {env_vars:?}"
+    );
+    let missing: Vec<_> = options
+        .iter()
+        .chain(&env_vars)
+        .filter(|w| !["--help", "--version", "--"].contains(&w.as_str()))
+        .filter(|w| !readme.contains(w.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "README.md does not document: {missing:?}"
+    );
+}
+
+#[test]
+fn man_page_and_completions_are_generated() {
+    assert!(help(&["man"]).contains(".TH sentinel-guard 1"));
+    for shell in ["bash", "zsh", "fish"] {
+        let script = help(&["completions", shell]);
+        assert!(
+            script.contains("takeover-delay"),
+            "{shell} completion lacks options"
+        );
+    }
+}
