@@ -147,7 +147,13 @@ impl Guard<'_> {
             remove: HIDDEN_FROM_APP,
             set,
         };
-        let mut app = match Supervisor::start(&config.command, &env, config.forward_to) {
+        let mut app = match Supervisor::start(
+            &config.command,
+            &env,
+            config.forward_to,
+            config.stop_signal,
+            config.timings.grace_period,
+        ) {
             Ok(app) => app,
             Err(e) => {
                 error!(error = %e, "app not started");
@@ -164,12 +170,7 @@ impl Guard<'_> {
         let grace = config.timings.grace_period;
         let mut app_deadline = held.as_ref().and_then(HeldLock::app_deadline);
         if let Some(deadline) = &app_deadline {
-            if let Err(e) = app.arm_watchdog(config.stop_signal, grace, *deadline.borrow()) {
-                error!(error = %e, "cannot start the watchdog that stops the app should the guard freeze; stopping the app");
-                app.stop_tree(config.stop_signal, grace).await;
-                release(held).await;
-                return Outcome::Internal;
-            }
+            app.extend_watchdog(*deadline.borrow());
         }
         loop {
             tokio::select! {

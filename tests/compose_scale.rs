@@ -126,10 +126,10 @@ fn rolling_restart_starts_the_new_app_only_after_the_old_one_stopped() {
         let trace = lab.path("trace");
         let mut args = vec!["--url", url.as_str(), "--name", "rolling"];
         args.extend(backend.fast_args());
-        // The old app needs a second to shut down cleanly.
+        // The old app needs half a second to shut down cleanly (within every backend's grace period).
         let old_pid = lab.path("old");
         let slow = format!(
-            "trap 'sleep 1; echo stop $$ >> {t}; exit 0' TERM; echo start $$ >> {t}; echo $$ > {p}; while :; do sleep 0.05; done",
+            "trap 'sleep 0.5; echo stop $$ >> {t}; exit 0' TERM; echo start $$ >> {t}; echo $$ > {p}; while :; do sleep 0.05; done",
             t = trace.display(),
             p = old_pid.display()
         );

@@ -96,7 +96,7 @@ fn standby_after_a_killed_leader_connection_waits_out_the_takeover_delay() {
     let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
     // The leader's app takes 1s to stop; the standby's delay (detection ~0 + grace 2s) covers it.
     let slow_app = format!(
-        "echo $$ > {p}; echo start $$ >> {t}; trap 'sleep 1; echo stop $$ >> {t}; exit 0' TERM; while :; do sleep 0.05; done",
+        "trap 'sleep 1; echo stop $$ >> {t}; exit 0' TERM; echo start $$ >> {t}; echo $$ > {p}; while :; do sleep 0.05; done",
         p = lead_pid.display(),
         t = trace.display()
     );

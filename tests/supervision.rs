@@ -371,3 +371,22 @@ fn ctrl_c_on_a_terminal_reaches_the_app_directly() {
         guard.log_text()
     );
 }
+
+#[test]
+fn sigkill_of_the_guard_kills_the_apps_whole_process_group() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("orphans.lock");
+    let gpid = lab.path("gpid");
+    // The grandchild has no PDEATHSIG of its own; only the watchdog can reach it.
+    let script = format!(
+        "sleep 1000 & echo $! > {g}.tmp; mv {g}.tmp {g}; wait",
+        g = gpid.display()
+    );
+    let guard = lab.spawn(&guard_args("orphans", &url, &[]), &["sh", "-c", &script]);
+    let grandchild = read_pid(&gpid, Duration::from_secs(5));
+    guard.signal(9);
+    assert!(
+        wait_until(Duration::from_secs(2), || !alive(grandchild)),
+        "grandchild {grandchild} outlived its SIGKILLed guard"
+    );
+}

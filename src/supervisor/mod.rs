@@ -35,48 +35,47 @@ pub struct Supervisor {
     app: Pid,
     guard: Pid,
     forward_to: ForwardTo,
-    watchdog: Option<watchdog::Watchdog>,
+    watchdog: watchdog::Watchdog,
 }
 
 impl Supervisor {
+    /// Spawns the app, then its watchdog; `stop_signal` and `grace` are what the watchdog uses if it
+    /// ever has to stop the app itself.
     pub fn start(
         command: &[std::ffi::OsString],
         env: &AppEnv<'_>,
         forward_to: ForwardTo,
+        stop_signal: Signal,
+        grace: Duration,
     ) -> Result<Supervisor, StartError> {
         let mut reaper = reaper::Reaper::register().map_err(StartError::Setup)?;
         let app = spawn::spawn(command, env).map_err(StartError::Spawn)?;
         reaper.track(app);
-        info!(app_pid = app.as_raw(), "app started");
+        let watchdog = match watchdog::Watchdog::spawn(app, stop_signal, grace) {
+            Ok(watchdog) => watchdog,
+            Err(e) => {
+                // Without its dead man's switch the app must not run.
+                let _ = killpg(app, Signal::SIGKILL);
+                return Err(StartError::Setup(e));
+            }
+        };
+        info!(
+            app_pid = app.as_raw(),
+            watchdog_pid = watchdog.pid().as_raw(),
+            "app started"
+        );
         Ok(Supervisor {
             reaper,
             app,
             guard: getpid(),
             forward_to,
-            watchdog: None,
+            watchdog,
         })
     }
 
-    /// Starts the watchdog that stops the app by `dead_by` should the guard freeze.
-    pub fn arm_watchdog(
-        &mut self,
-        stop_signal: Signal,
-        grace: Duration,
-        dead_by: Instant,
-    ) -> std::io::Result<()> {
-        self.watchdog = Some(watchdog::Watchdog::spawn(
-            self.app,
-            stop_signal,
-            grace,
-            dead_by,
-        )?);
-        Ok(())
-    }
-
+    /// Tells the watchdog by when the app must be dead should the guard freeze.
     pub fn extend_watchdog(&mut self, dead_by: Instant) {
-        if let Some(watchdog) = &mut self.watchdog {
-            watchdog.extend(dead_by);
-        }
+        self.watchdog.extend(dead_by);
     }
 
     pub fn app_pid(&self) -> Pid {
@@ -109,15 +108,15 @@ impl Supervisor {
     /// left it, up to `grace` for them to exit, then SIGKILL until nothing is left. Returns only once
     /// no process of the app is alive, so the lock may be released.
     pub async fn stop_tree(&mut self, signal: Signal, grace: Duration) {
-        // The guard stops the app itself now; closing the pipe lets the watchdog exit.
-        self.watchdog = None;
+        // The guard stops the app itself now, at its own pace.
+        self.watchdog.disarm();
         let deadline = Instant::now() + grace;
         if self.signal_tree(signal) {
             info!(signal = %signal, grace = %humantime::format_duration(grace), "stopping app process tree");
         }
         loop {
             self.reaper.reap();
-            if tree::live_descendants(self.guard).is_empty() {
+            if self.app_processes().is_empty() {
                 return;
             }
             let now = Instant::now();
@@ -138,7 +137,7 @@ impl Supervisor {
                 let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
             }
             self.reaper.reap();
-            if tree::live_descendants(self.guard).is_empty() {
+            if self.app_processes().is_empty() {
                 return;
             }
             self.reaper.child_event(TEARDOWN_POLL).await;
@@ -147,12 +146,19 @@ impl Supervisor {
 
     /// Signals the app's group, and each live descendant outside it. Returns whether anything was alive.
     fn signal_tree(&self, signal: Signal) -> bool {
-        let live = tree::live_descendants(self.guard);
+        let live = self.app_processes();
         let _ = killpg(self.app, signal);
         for process in live.iter().filter(|p| p.pgid != self.app) {
             let _ = kill(process.pid, signal);
         }
         !live.is_empty()
+    }
+
+    /// Every live process below the guard but its own watchdog.
+    fn app_processes(&self) -> Vec<tree::Descendant> {
+        let mut live = tree::live_descendants(self.guard);
+        live.retain(|p| p.pid != self.watchdog.pid());
+        live
     }
 
     pub fn app_status(&self) -> Option<AppStatus> {

@@ -104,6 +104,7 @@ impl MariaDb {
             .arg(format!("--pid-file={}", d.join("mariadb.pid").display()))
             .arg("--innodb-buffer-pool-size=16M")
             .arg("--skip-log-bin")
+            .arg("--max-connections=1000")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

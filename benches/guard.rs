@@ -1,0 +1,582 @@
+//! Whole-process benchmark of sentinel-guard: start-up overhead, detection and takeover latency,
+//! footprint, idle cost and scale, against private MariaDB and Redis servers on loopback, like the
+//! tests. Prints a markdown table (median / p90 / max) and writes the same as JSON to
+//! `target/bench/guard.json`.
+//!
+//! `cargo bench --bench guard` runs the full set (a few minutes); `cargo bench --bench guard -- --quick`
+//! (or `SENTINEL_BENCH_QUICK=1`) runs few rounds, for CI.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::mariadb::MariaDb;
+use common::redis::Redis;
+use common::*;
+use nix::time::{clock_gettime, ClockId};
+use serde_json::{json, Value};
+
+struct Settings {
+    quick: bool,
+    rounds: usize,
+}
+
+fn monotonic_ns() -> u64 {
+    let now = clock_gettime(ClockId::CLOCK_MONOTONIC).unwrap();
+    now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
+}
+
+/// An app that writes the CLOCK_MONOTONIC time it started to `<dir>/started`, and the time it received
+/// SIGTERM to `<dir>/stopped` (then exits 0), with no polling delay: python's handler runs while the
+/// main thread waits in `pause()`.
+fn timing_app(dir: &Path) -> Vec<String> {
+    let script = r#"
+import signal, sys, time, os
+d = sys.argv[1]
+def stamp(name):
+    with open(os.path.join(d, name + ".tmp"), "w") as f:
+        f.write(str(time.clock_gettime_ns(time.CLOCK_MONOTONIC)))
+    os.rename(os.path.join(d, name + ".tmp"), os.path.join(d, name))
+def on_term(*_):
+    stamp("stopped")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+stamp("started")
+if len(sys.argv) > 2:
+    time.sleep(float(sys.argv[2]))
+    stamp("exiting")
+    sys.exit(0)
+while True:
+    signal.pause()
+"#;
+    vec![
+        "python3".into(),
+        "-c".into(),
+        script.into(),
+        dir.display().to_string(),
+    ]
+}
+
+fn stamp(dir: &Path, name: &str, limit: Duration) -> Option<u64> {
+    let path = dir.join(name);
+    wait_until(limit, || path.exists())
+        .then(|| fs::read_to_string(&path).unwrap().trim().parse().unwrap())
+}
+
+#[derive(Default)]
+struct Stats(Vec<f64>);
+
+impl Stats {
+    fn push_ms(&mut self, ns: u64) {
+        self.0.push(ns as f64 / 1e6);
+    }
+
+    fn summary(&self) -> Option<(f64, f64, f64)> {
+        if self.0.is_empty() {
+            return None;
+        }
+        let mut v = self.0.clone();
+        v.sort_by(f64::total_cmp);
+        let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+        Some((at(0.5), at(0.9), v[v.len() - 1]))
+    }
+}
+
+struct Report {
+    rows: Vec<(String, String, String, Value)>,
+}
+
+impl Report {
+    /// A latency row: median / p90 / max in milliseconds, or a note when it could not be measured.
+    fn latency(&mut self, scenario: &str, backend: &str, stats: &Stats, target: &str) {
+        let (text, value) = match stats.summary() {
+            Some((median, p90, max)) => (
+                format!("{median:.1} / {p90:.1} / {max:.1} ms"),
+                json!({"median_ms": median, "p90_ms": p90, "max_ms": max, "samples": stats.0.len()}),
+            ),
+            None => ("not measured".to_owned(), Value::Null),
+        };
+        self.row(scenario, backend, text, target, value);
+    }
+
+    fn row(&mut self, scenario: &str, backend: &str, text: String, target: &str, value: Value) {
+        eprintln!("{scenario} [{backend}]: {text}");
+        self.rows.push((
+            format!("{scenario} | {backend}"),
+            text,
+            target.to_owned(),
+            value,
+        ));
+    }
+}
+
+struct Servers {
+    mysql: MariaDb,
+    redis: Redis,
+    files: Lab,
+}
+
+impl Servers {
+    fn url(&self, backend: &str) -> String {
+        match backend {
+            "mysql" => self.mysql.url(),
+            "redis" => self.redis.url(),
+            _ => self
+                .files
+                .file_url(&format!("bench-{}.lock", monotonic_ns())),
+        }
+    }
+}
+
+const BACKENDS: [&str; 3] = ["mysql", "redis", "file"];
+
+fn guard_cmd(url: &str, name: &str, extra: &[&str], app: &[String]) -> Command {
+    let mut cmd = Command::new(GUARD);
+    cmd.args(["--url", url, "--name", name])
+        .args(extra)
+        .arg("--")
+        .args(app);
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    cmd
+}
+
+fn time_command(mut cmd: Command) -> u64 {
+    let started = monotonic_ns();
+    let status = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "{cmd:?}");
+    monotonic_ns() - started
+}
+
+fn startup(report: &mut Report, servers: &Servers, settings: &Settings) {
+    let rounds = settings.rounds * 4;
+    let mut plain = Stats::default();
+    let mut flock = Stats::default();
+    let lock = servers.files.path("flock-bench.lock");
+    for _ in 0..rounds {
+        plain.push_ms(time_command(Command::new("true")));
+        let mut f = Command::new("flock");
+        f.arg(&lock).arg("true");
+        flock.push_ms(time_command(f));
+    }
+    report.latency("start-up: `true` alone", "-", &plain, "");
+    report.latency("start-up: `flock <file> true`", "-", &flock, "");
+    for backend in BACKENDS {
+        let mut guarded = Stats::default();
+        for i in 0..rounds {
+            let url = servers.url(backend);
+            guarded.push_ms(time_command(guard_cmd(
+                &url,
+                &format!("startup-{i}"),
+                &[],
+                &["true".into()],
+            )));
+        }
+        report.latency(
+            "start-up: `sentinel-guard ... -- true`",
+            backend,
+            &guarded,
+            "",
+        );
+    }
+    let etcd = Command::new("etcdctl").arg("version").output().is_ok();
+    report.row(
+        "start-up: `etcdctl lock <name> true`",
+        "-",
+        if etcd {
+            "installed but not run by this bench".into()
+        } else {
+            "not installed here (no etcd)".into()
+        },
+        "",
+        Value::Null,
+    );
+}
+
+/// From a fault to the leader app receiving its stop signal.
+fn detection(report: &mut Report, servers: &mut Servers, settings: &Settings) {
+    let cases: [(&str, &str, &str); 5] = [
+        (
+            "detection: `KILL <conn>`",
+            "mysql",
+            "<= 100 ms, independent of --check-interval",
+        ),
+        ("detection: server SIGKILL", "mysql", "<= 100 ms"),
+        (
+            "detection: key `DEL`",
+            "redis",
+            "<= renew-interval (1s here)",
+        ),
+        (
+            "detection: server restart (empty)",
+            "redis",
+            "<= renew-interval (1s here)",
+        ),
+        (
+            "detection: lock file deleted",
+            "file",
+            "<= check-interval (1s)",
+        ),
+    ];
+    for (scenario, backend, target) in cases {
+        let mut stats = Stats::default();
+        for round in 0..settings.rounds {
+            let lab = Lab::new();
+            let name = format!("detect-{round}");
+            let url = servers.url(backend);
+            // A 30s check interval shows detection does not wait for the next check.
+            let interval = if backend == "mysql" { "30s" } else { "1s" };
+            let mut guard = guard_cmd(
+                &url,
+                &name,
+                &[
+                    "--check-interval",
+                    interval,
+                    "--ttl",
+                    "3s",
+                    "--renew-interval",
+                    "1s",
+                    "--check-timeout",
+                    "500ms",
+                    "--grace-period",
+                    "1s",
+                ],
+                &timing_app(lab.dir.path()),
+            )
+            .spawn()
+            .unwrap();
+            stamp(lab.dir.path(), "started", Duration::from_secs(10)).expect("app started");
+            std::thread::sleep(Duration::from_millis(200));
+            let fault_at = monotonic_ns();
+            match scenario {
+                s if s.contains("KILL") => {
+                    let id = servers.mysql.holder_of(&name).unwrap();
+                    servers.mysql.sql(&format!("KILL {id}"));
+                }
+                s if s.contains("server SIGKILL") => servers.mysql.kill9(),
+                s if s.contains("DEL") => {
+                    servers
+                        .redis
+                        .cli(&["DEL", &format!("sentinel-guard:{{{name}}}")]);
+                }
+                s if s.contains("restart") => servers.redis.restart(),
+                _ => fs::remove_file(url.trim_start_matches("file://")).unwrap(),
+            }
+            if let Some(stopped) = stamp(lab.dir.path(), "stopped", Duration::from_secs(10)) {
+                stats.push_ms(stopped.saturating_sub(fault_at));
+            }
+            let _ = guard.wait();
+            if scenario.contains("server SIGKILL") {
+                servers.mysql.restart();
+            }
+        }
+        report.latency(scenario, backend, &stats, target);
+    }
+}
+
+/// From the leader's app exiting (clean release) or the leader guard's SIGKILL, to a `--wait`
+/// standby's app starting.
+fn takeover(report: &mut Report, servers: &Servers, settings: &Settings) {
+    for backend in BACKENDS {
+        for sigkill in [false, true] {
+            let mut stats = Stats::default();
+            for round in 0..settings.rounds {
+                let (lead, standby) = (Lab::new(), Lab::new());
+                let name = format!("takeover-{sigkill}-{round}");
+                let url = servers.url(backend);
+                let fast = [
+                    "--ttl",
+                    "3s",
+                    "--renew-interval",
+                    "1s",
+                    "--check-timeout",
+                    "500ms",
+                    "--grace-period",
+                    "1s",
+                ];
+                let mut lead_app = timing_app(lead.dir.path());
+                if !sigkill {
+                    lead_app.push("1.5".into());
+                }
+                let mut leader = guard_cmd(&url, &name, &fast, &lead_app).spawn().unwrap();
+                stamp(lead.dir.path(), "started", Duration::from_secs(10)).expect("leader started");
+                let mut waiting = fast.to_vec();
+                waiting.push("--wait");
+                let mut standby_guard =
+                    guard_cmd(&url, &name, &waiting, &timing_app(standby.dir.path()))
+                        .spawn()
+                        .unwrap();
+                let from = if sigkill {
+                    std::thread::sleep(Duration::from_millis(500));
+                    let at = monotonic_ns();
+                    send(leader.id() as i32, 9);
+                    Some(at)
+                } else {
+                    stamp(lead.dir.path(), "exiting", Duration::from_secs(10))
+                };
+                let started = stamp(standby.dir.path(), "started", Duration::from_secs(10));
+                if let (Some(from), Some(started)) = (from, started) {
+                    stats.push_ms(started.saturating_sub(from));
+                }
+                let _ = leader.wait();
+                send(standby_guard.id() as i32, 15);
+                let _ = standby_guard.wait();
+            }
+            let (scenario, target) = match (sigkill, backend) {
+                (false, _) => (
+                    "takeover: leader's app exits -> standby's app started",
+                    "<= 50 ms",
+                ),
+                (true, "redis") => (
+                    "takeover: leader guard SIGKILLed -> standby's app started",
+                    "<= ttl + 100 ms (ttl 3s here)",
+                ),
+                (true, _) => (
+                    "takeover: leader guard SIGKILLed -> standby's app started",
+                    "<= 100 ms",
+                ),
+            };
+            report.latency(scenario, backend, &stats, target);
+        }
+    }
+}
+
+fn proc_stat_ticks(pid: u32) -> u64 {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r.split_whitespace().collect())
+        .unwrap_or_default();
+    // utime and stime: fields 14 and 15 of stat, 12 and 13 after the comm.
+    fields
+        .get(11)
+        .and_then(|f| f.parse::<u64>().ok())
+        .unwrap_or(0)
+        + fields
+            .get(12)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+}
+
+fn vm_hwm_kb(pid: u32) -> u64 {
+    fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn mysql_questions(db: &MariaDb) -> u64 {
+    db.sql("SHOW GLOBAL STATUS LIKE 'Questions'")
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+fn redis_commands(redis: &Redis) -> u64 {
+    redis
+        .cli(&["INFO", "stats"])
+        .lines()
+        .find_map(|l| l.strip_prefix("total_commands_processed:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+fn backend_ops(servers: &Servers, backend: &str) -> Option<u64> {
+    match backend {
+        "mysql" => Some(mysql_questions(&servers.mysql)),
+        "redis" => Some(redis_commands(&servers.redis)),
+        _ => None,
+    }
+}
+
+/// Peak RSS, CPU and backend traffic of one guard holding a lock and supervising `sleep`.
+fn footprint_and_idle(report: &mut Report, servers: &Servers, settings: &Settings) {
+    let window = if settings.quick {
+        Duration::from_secs(5)
+    } else {
+        Duration::from_secs(30)
+    };
+    let ticks_per_sec = 100.0;
+    for backend in BACKENDS {
+        let url = servers.url(backend);
+        let mut guard = guard_cmd(&url, "idle", &[], &["sleep".into(), "1000".into()])
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_secs(1));
+        let (cpu0, ops0, t0) = (
+            proc_stat_ticks(guard.id()),
+            backend_ops(servers, backend),
+            Instant::now(),
+        );
+        std::thread::sleep(window);
+        let (cpu1, ops1, elapsed) = (
+            proc_stat_ticks(guard.id()),
+            backend_ops(servers, backend),
+            t0.elapsed(),
+        );
+        let hwm = vm_hwm_kb(guard.id());
+        send(guard.id() as i32, 15);
+        let _ = guard.wait();
+        let cpu_ms = (cpu1 - cpu0) as f64 / ticks_per_sec * 1000.0;
+        let rate = ops0
+            .zip(ops1)
+            .map(|(a, b)| (b - a) as f64 / elapsed.as_secs_f64());
+        report.row(
+            "footprint: peak RSS (VmHWM) holding a lock",
+            backend,
+            format!("{:.1} MB", hwm as f64 / 1024.0),
+            "<= 5 MB",
+            json!({"vm_hwm_kb": hwm}),
+        );
+        report.row(
+            &format!("idle: CPU over {}s, defaults", window.as_secs()),
+            backend,
+            format!(
+                "{cpu_ms:.0} ms CPU ({:.2}% of a core); {}",
+                cpu_ms / elapsed.as_secs_f64() / 10.0,
+                rate.map_or("no backend traffic".to_owned(), |r| format!(
+                    "{r:.1} queries or commands/s"
+                ))
+            ),
+            "",
+            json!({"cpu_ms": cpu_ms, "window_s": elapsed.as_secs_f64(), "backend_ops_per_s": rate}),
+        );
+    }
+    for tool in ["tini", "etcdctl"] {
+        if Command::new(tool).arg("--version").output().is_err() {
+            report.row(
+                &format!("footprint: peak RSS of `{tool}`"),
+                "-",
+                "not installed here".into(),
+                "",
+                Value::Null,
+            );
+        }
+    }
+}
+
+/// N guards holding distinct locks against one server: server CPU and command rate.
+fn scale(report: &mut Report, servers: &Servers, settings: &Settings) {
+    let sizes: &[usize] = if settings.quick { &[20] } else { &[100, 500] };
+    let window = Duration::from_secs(if settings.quick { 3 } else { 10 });
+    for backend in ["mysql", "redis"] {
+        let server_pid = match backend {
+            "mysql" => servers.mysql.pid() as u32,
+            _ => servers.redis.pid() as u32,
+        };
+        for &n in sizes {
+            for interval in ["1s", "5s"] {
+                let extra = if backend == "mysql" {
+                    vec!["--check-interval", interval]
+                } else {
+                    vec!["--renew-interval", interval, "--ttl", "30s"]
+                };
+                let mut guards: Vec<_> = (0..n)
+                    .map(|i| {
+                        guard_cmd(
+                            &servers.url(backend),
+                            &format!("scale-{n}-{interval}-{i}"),
+                            &extra,
+                            &["sleep".into(), "1000".into()],
+                        )
+                        .spawn()
+                        .unwrap()
+                    })
+                    .collect();
+                std::thread::sleep(Duration::from_secs(3));
+                let (cpu0, ops0, t0) = (
+                    proc_stat_ticks(server_pid),
+                    backend_ops(servers, backend).unwrap(),
+                    Instant::now(),
+                );
+                std::thread::sleep(window);
+                let (cpu1, ops1, elapsed) = (
+                    proc_stat_ticks(server_pid),
+                    backend_ops(servers, backend).unwrap(),
+                    t0.elapsed(),
+                );
+                for guard in &guards {
+                    send(guard.id() as i32, 15);
+                }
+                for guard in &mut guards {
+                    let _ = guard.wait();
+                }
+                let cpu_pct = (cpu1 - cpu0) as f64 / 100.0 / elapsed.as_secs_f64() * 100.0;
+                let rate = (ops1 - ops0) as f64 / elapsed.as_secs_f64();
+                let knob = if backend == "mysql" {
+                    "check-interval"
+                } else {
+                    "renew-interval"
+                };
+                report.row(
+                    &format!("scale: {n} guards, {knob} {interval}"),
+                    backend,
+                    format!("server CPU {cpu_pct:.1}% of a core; {rate:.0} queries or commands/s"),
+                    "",
+                    json!({"guards": n, "interval": interval, "server_cpu_pct": cpu_pct, "ops_per_s": rate}),
+                );
+            }
+        }
+    }
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick")
+        || std::env::var_os("SENTINEL_BENCH_QUICK").is_some();
+    // `cargo bench` passes `--bench`; anything else that libtest would accept is ignored.
+    let settings = Settings {
+        quick,
+        rounds: if quick { 3 } else { 15 },
+    };
+    let mut servers = Servers {
+        mysql: MariaDb::start(),
+        redis: Redis::start(),
+        files: Lab::new(),
+    };
+    let mut report = Report { rows: Vec::new() };
+    startup(&mut report, &servers, &settings);
+    detection(&mut report, &mut servers, &settings);
+    takeover(&mut report, &servers, &settings);
+    footprint_and_idle(&mut report, &servers, &settings);
+    scale(&mut report, &servers, &settings);
+
+    let mut table = String::from(
+        "| scenario | backend | median / p90 / max, or value | target |\n|---|---|---|---|\n",
+    );
+    for (what, text, target, _) in &report.rows {
+        table.push_str(&format!("| {what} | {text} | {target} |\n"));
+    }
+    println!("{table}");
+    let json = json!({
+        "quick": settings.quick,
+        "rounds": settings.rounds,
+        "rows": report.rows.iter().map(|(what, text, target, value)| json!({"scenario": what, "result": text, "target": target, "data": value})).collect::<Vec<_>>(),
+    });
+    let out: PathBuf = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .parent()
+        .unwrap()
+        .join("bench");
+    fs::create_dir_all(&out).unwrap();
+    fs::write(
+        out.join("guard.json"),
+        serde_json::to_string_pretty(&json).unwrap(),
+    )
+    .unwrap();
+    eprintln!("wrote {}", out.join("guard.json").display());
+}
