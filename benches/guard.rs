@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 use common::mariadb::MariaDb;
 use common::redis::Redis;
 use common::*;
-use nix::time::{clock_gettime, ClockId};
 use serde_json::{json, Value};
 
 struct Settings {
@@ -25,40 +24,32 @@ struct Settings {
     rounds: usize,
 }
 
-fn monotonic_ns() -> u64 {
-    let now = clock_gettime(ClockId::CLOCK_MONOTONIC).unwrap();
-    now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
+/// Wall-clock nanoseconds: the shell apps below can only read this clock (`date +%s%N`), and guard,
+/// apps and bench share one host.
+fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
 }
 
-/// An app that writes the CLOCK_MONOTONIC time it started to `<dir>/started`, and the time it received
-/// SIGTERM to `<dir>/stopped` (then exits 0), with no polling delay: python's handler runs while the
-/// main thread waits in `pause()`.
-fn timing_app(dir: &Path) -> Vec<String> {
-    let script = r#"
-import signal, sys, time, os
-d = sys.argv[1]
-def stamp(name):
-    with open(os.path.join(d, name + ".tmp"), "w") as f:
-        f.write(str(time.clock_gettime_ns(time.CLOCK_MONOTONIC)))
-    os.rename(os.path.join(d, name + ".tmp"), os.path.join(d, name))
-def on_term(*_):
-    stamp("stopped")
-    sys.exit(0)
-signal.signal(signal.SIGTERM, on_term)
-stamp("started")
-if len(sys.argv) > 2:
-    time.sleep(float(sys.argv[2]))
-    stamp("exiting")
-    sys.exit(0)
-while True:
-    signal.pause()
-"#;
-    vec![
-        "python3".into(),
-        "-c".into(),
-        script.into(),
-        dir.display().to_string(),
-    ]
+/// An app that writes the time it started to `<dir>/started` and the time it received SIGTERM to
+/// `<dir>/stopped` (then exits 0). A shell waiting in `wait` runs its trap at once, and `sh`/`date`
+/// start in about a millisecond, so the stamps add little to what is measured. With `exit_after`, it
+/// writes `<dir>/exiting` and exits that many seconds after starting.
+fn timing_app(dir: &Path, exit_after: Option<&str>) -> Vec<String> {
+    let d = dir.display();
+    let ending = match exit_after {
+        Some(seconds) => format!(
+            "sleep {seconds}; date +%s%N > {d}/exiting.tmp; mv {d}/exiting.tmp {d}/exiting; exit 0"
+        ),
+        None => "sleep 1000 & wait".to_owned(),
+    };
+    let script = format!(
+        "trap 'date +%s%N > {d}/stopped.tmp; mv {d}/stopped.tmp {d}/stopped; exit 0' TERM; \
+         date +%s%N > {d}/started.tmp; mv {d}/started.tmp {d}/started; {ending}"
+    );
+    vec!["sh".into(), "-c".into(), script]
 }
 
 fn stamp(dir: &Path, name: &str, limit: Duration) -> Option<u64> {
@@ -125,9 +116,7 @@ impl Servers {
         match backend {
             "mysql" => self.mysql.url(),
             "redis" => self.redis.url(),
-            _ => self
-                .files
-                .file_url(&format!("bench-{}.lock", monotonic_ns())),
+            _ => self.files.file_url(&format!("bench-{}.lock", now_ns())),
         }
     }
 }
@@ -147,7 +136,7 @@ fn guard_cmd(url: &str, name: &str, extra: &[&str], app: &[String]) -> Command {
 }
 
 fn time_command(mut cmd: Command) -> u64 {
-    let started = monotonic_ns();
+    let started = now_ns();
     let status = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -155,7 +144,7 @@ fn time_command(mut cmd: Command) -> u64 {
         .status()
         .unwrap();
     assert!(status.success(), "{cmd:?}");
-    monotonic_ns() - started
+    now_ns() - started
 }
 
 fn startup(report: &mut Report, servers: &Servers, settings: &Settings) {
@@ -251,13 +240,13 @@ fn detection(report: &mut Report, servers: &mut Servers, settings: &Settings) {
                     "--grace-period",
                     "1s",
                 ],
-                &timing_app(lab.dir.path()),
+                &timing_app(lab.dir.path(), None),
             )
             .spawn()
             .unwrap();
             stamp(lab.dir.path(), "started", Duration::from_secs(10)).expect("app started");
             std::thread::sleep(Duration::from_millis(200));
-            let fault_at = monotonic_ns();
+            let fault_at = now_ns();
             match scenario {
                 s if s.contains("KILL") => {
                     let id = servers.mysql.holder_of(&name).unwrap();
@@ -304,21 +293,18 @@ fn takeover(report: &mut Report, servers: &Servers, settings: &Settings) {
                     "--grace-period",
                     "1s",
                 ];
-                let mut lead_app = timing_app(lead.dir.path());
-                if !sigkill {
-                    lead_app.push("1.5".into());
-                }
+                let lead_app = timing_app(lead.dir.path(), (!sigkill).then_some("1.5"));
                 let mut leader = guard_cmd(&url, &name, &fast, &lead_app).spawn().unwrap();
                 stamp(lead.dir.path(), "started", Duration::from_secs(10)).expect("leader started");
                 let mut waiting = fast.to_vec();
                 waiting.push("--wait");
                 let mut standby_guard =
-                    guard_cmd(&url, &name, &waiting, &timing_app(standby.dir.path()))
+                    guard_cmd(&url, &name, &waiting, &timing_app(standby.dir.path(), None))
                         .spawn()
                         .unwrap();
                 let from = if sigkill {
                     std::thread::sleep(Duration::from_millis(500));
-                    let at = monotonic_ns();
+                    let at = now_ns();
                     send(leader.id() as i32, 9);
                     Some(at)
                 } else {

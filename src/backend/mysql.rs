@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, OptsBuilder};
+use tokio::sync::oneshot::error::TryRecvError;
 use tokio::time::{timeout, Instant};
 use tracing::{debug, info, warn};
 
@@ -27,6 +28,8 @@ const ER_CONNECTION_KILLED: u16 = 1927;
 /// The longest single server-side wait of a standby, so patience and the session's health are
 /// re-checked regularly.
 const WAIT_CHUNK: Duration = Duration::from_secs(2);
+/// How often the side connection repeats `KILL QUERY` until the check answers.
+const INTERRUPT_RETRY: Duration = Duration::from_millis(20);
 /// How long the guard waits for a side connection that interrupts its own `SLEEP` at release.
 const INTERRUPT_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -353,6 +356,10 @@ impl Watcher {
     async fn run(self, mut conn: Conn, mut ends: WatcherEnds) -> Result<(), LockError> {
         loop {
             // If this check is not answered in time, the guard stops the app within the grace period.
+            // A release asked for between checks needs no sleep interrupted.
+            if !matches!(ends.release.try_recv(), Err(TryRecvError::Empty)) {
+                return self.release(conn).await;
+            }
             ends.app_dead_by(Instant::now() + self.budget + self.grace);
             let (check, releasing) = {
                 let check = timeout(
@@ -361,11 +368,9 @@ impl Watcher {
                 );
                 tokio::pin!(check);
                 tokio::select! {
+                    biased;
                     result = &mut check => (self.judge(result), false),
-                    _ = &mut ends.release => {
-                        self.interrupt_sleep().await;
-                        (self.judge(check.await), true)
-                    }
+                    _ = &mut ends.release => (self.judge(self.interrupt(check).await), true),
                 }
             };
             match (check, releasing) {
@@ -416,25 +421,31 @@ impl Watcher {
         }
     }
 
-    /// Ends the outstanding `SLEEP` from a side connection so a release is not delayed by up to a
-    /// check interval. Best effort: if it fails, the sleep simply runs out.
-    async fn interrupt_sleep(&self) {
-        let interrupted = async {
-            let mut side = connect(&self.target, INTERRUPT_TIMEOUT).await.ok()?;
-            let killed = timeout(
-                INTERRUPT_TIMEOUT,
-                side.query_drop(format!("KILL QUERY {}", self.conn_id)),
-            )
-            .await;
-            let _ = side.disconnect().await;
-            killed.ok()?.ok()
-        };
-        if interrupted.await.is_none() {
+    /// Ends the outstanding check's `SLEEP` from a side connection so a release is not delayed by up
+    /// to a check interval, and returns the check's result. `KILL QUERY` is repeated until the check
+    /// answers: the first one can reach the server before the check itself does. Best effort: without
+    /// a side connection the sleep simply runs out.
+    async fn interrupt<F>(&self, mut check: std::pin::Pin<&mut F>) -> CheckResult
+    where
+        F: std::future::Future<Output = CheckResult>,
+    {
+        let Ok(mut side) = connect(&self.target, INTERRUPT_TIMEOUT).await else {
             debug!(
                 connection_id = self.conn_id,
                 "could not interrupt the check sleep; waiting for it to end"
             );
-        }
+            return check.await;
+        };
+        let kill = format!("KILL QUERY {}", self.conn_id);
+        let result = loop {
+            let _ = timeout(INTERRUPT_TIMEOUT, side.query_drop(&kill)).await;
+            tokio::select! {
+                result = check.as_mut() => break result,
+                _ = tokio::time::sleep(INTERRUPT_RETRY) => {}
+            }
+        };
+        let _ = timeout(INTERRUPT_TIMEOUT, side.disconnect()).await;
+        result
     }
 
     async fn release(&self, mut conn: Conn) -> Result<(), LockError> {

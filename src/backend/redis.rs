@@ -65,8 +65,9 @@ end
 return 0
 ";
 
-/// After a failed renewal the guard retries at least this often.
-const MAX_RETRY_INTERVAL: Duration = Duration::from_secs(1);
+/// After a failed renewal the guard reconnects and retries this often (or every renew-interval, if
+/// shorter): a restarted server is found quickly, without a busy loop against a dead one.
+const MAX_RETRY_INTERVAL: Duration = Duration::from_millis(250);
 /// Pause between acquisition attempts whose reply was lost.
 const ACQUIRE_RETRY_PAUSE: Duration = Duration::from_millis(100);
 
