@@ -85,7 +85,8 @@ fn sigkill_of_the_guard_kills_the_app_and_frees_the_lock() {
     );
 }
 
-/// Detection must not depend on --check-interval: a 30s interval still notices within a second.
+/// Detection must not depend on --check-interval: with a 30s interval the app is still asked to stop
+/// within 5s (typically tens of milliseconds; the bound leaves room for a heavily loaded machine).
 fn assert_fault_stops_app_fast(db: &mut MariaDb, name: &str, fault: impl FnOnce(&mut MariaDb)) {
     let mut lab = Lab::new();
     let url = db.url();
@@ -103,9 +104,9 @@ fn assert_fault_stops_app_fast(db: &mut MariaDb, name: &str, fault: impl FnOnce(
     let faulted = Instant::now();
     fault(db);
     assert!(
-        wait_until(Duration::from_secs(1), || trace_lines(&trace)
+        wait_until(Duration::from_secs(5), || trace_lines(&trace)
             .contains(&format!("stop {app}"))),
-        "app not asked to stop within 1s of the fault; log:\n{}",
+        "app not asked to stop within 5s of the fault; log:\n{}",
         guard.log_text()
     );
     let detected = faulted.elapsed();
