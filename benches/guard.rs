@@ -394,7 +394,7 @@ fn backend_ops(servers: &Servers, backend: &str) -> Option<u64> {
 /// Peak RSS, CPU and backend traffic of one guard holding a lock and supervising `sleep`.
 fn footprint_and_idle(report: &mut Report, servers: &Servers, settings: &Settings) {
     let window = if settings.quick {
-        Duration::from_secs(5)
+        Duration::from_secs(2)
     } else {
         Duration::from_secs(30)
     };
@@ -460,7 +460,7 @@ fn footprint_and_idle(report: &mut Report, servers: &Servers, settings: &Setting
 /// N guards holding distinct locks against one server: server CPU and command rate.
 fn scale(report: &mut Report, servers: &Servers, settings: &Settings) {
     let sizes: &[usize] = if settings.quick { &[20] } else { &[100, 500] };
-    let window = Duration::from_secs(if settings.quick { 3 } else { 10 });
+    let window = Duration::from_secs(if settings.quick { 2 } else { 10 });
     for backend in ["mysql", "redis"] {
         let server_pid = match backend {
             "mysql" => servers.mysql.pid() as u32,
@@ -485,7 +485,7 @@ fn scale(report: &mut Report, servers: &Servers, settings: &Settings) {
                         .unwrap()
                     })
                     .collect();
-                std::thread::sleep(Duration::from_secs(3));
+                std::thread::sleep(Duration::from_secs(if settings.quick { 1 } else { 3 }));
                 let (cpu0, ops0, t0) = (
                     proc_stat_ticks(server_pid),
                     backend_ops(servers, backend).unwrap(),
@@ -528,7 +528,7 @@ fn main() {
     // `cargo bench` passes `--bench`; anything else that libtest would accept is ignored.
     let settings = Settings {
         quick,
-        rounds: if quick { 3 } else { 15 },
+        rounds: if quick { 1 } else { 15 },
     };
     let mut servers = Servers {
         mysql: MariaDb::start(),
