@@ -123,6 +123,19 @@ impl Servers {
 
 const BACKENDS: [&str; 3] = ["mysql", "redis", "file"];
 
+/// Timings for the latency scenarios: short enough that Redis events happen within seconds, and
+/// valid for every backend.
+const SHORT_LEASE: [&str; 8] = [
+    "--ttl",
+    "3s",
+    "--renew-interval",
+    "1s",
+    "--check-timeout",
+    "500ms",
+    "--grace-period",
+    "1s",
+];
+
 fn guard_cmd(url: &str, name: &str, extra: &[&str], app: &[String]) -> Command {
     let mut cmd = Command::new(GUARD);
     cmd.args(["--url", url, "--name", name])
@@ -225,25 +238,11 @@ fn detection(report: &mut Report, servers: &mut Servers, settings: &Settings) {
             let url = servers.url(backend);
             // A 30s check interval shows detection does not wait for the next check.
             let interval = if backend == "mysql" { "30s" } else { "1s" };
-            let mut guard = guard_cmd(
-                &url,
-                &name,
-                &[
-                    "--check-interval",
-                    interval,
-                    "--ttl",
-                    "3s",
-                    "--renew-interval",
-                    "1s",
-                    "--check-timeout",
-                    "500ms",
-                    "--grace-period",
-                    "1s",
-                ],
-                &timing_app(lab.dir.path(), None),
-            )
-            .spawn()
-            .unwrap();
+            let mut args = vec!["--check-interval", interval];
+            args.extend_from_slice(&SHORT_LEASE);
+            let mut guard = guard_cmd(&url, &name, &args, &timing_app(lab.dir.path(), None))
+                .spawn()
+                .unwrap();
             stamp(lab.dir.path(), "started", Duration::from_secs(10)).expect("app started");
             std::thread::sleep(Duration::from_millis(200));
             let fault_at = now_ns();
@@ -283,16 +282,7 @@ fn takeover(report: &mut Report, servers: &Servers, settings: &Settings) {
                 let (lead, standby) = (Lab::new(), Lab::new());
                 let name = format!("takeover-{sigkill}-{round}");
                 let url = servers.url(backend);
-                let fast = [
-                    "--ttl",
-                    "3s",
-                    "--renew-interval",
-                    "1s",
-                    "--check-timeout",
-                    "500ms",
-                    "--grace-period",
-                    "1s",
-                ];
+                let fast = SHORT_LEASE;
                 let lead_app = timing_app(lead.dir.path(), (!sigkill).then_some("1.5"));
                 let mut leader = guard_cmd(&url, &name, &fast, &lead_app).spawn().unwrap();
                 stamp(lead.dir.path(), "started", Duration::from_secs(10)).expect("leader started");
