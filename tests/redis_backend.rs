@@ -10,23 +10,10 @@ use common::*;
 const SIGSTOP: i32 = 19;
 const SIGCONT: i32 = 18;
 
-/// ttl 3s - margin 130ms - grace 1s = 1.87s >= renew 500ms + check-timeout 500ms.
-const LEASE: &[&str] = &[
-    "--ttl",
-    "3s",
-    "--renew-interval",
-    "500ms",
-    "--check-timeout",
-    "500ms",
-    "--grace-period",
-    "1s",
-    "--connect-timeout",
-    "2s",
-];
-
 fn args<'a>(url: &'a str, name: &'a str) -> Vec<&'a str> {
     let mut v = vec!["--url", url, "--name", name];
-    v.extend_from_slice(LEASE);
+    v.extend_from_slice(REDIS_LEASE);
+    v.extend_from_slice(&["--connect-timeout", "2s"]);
     v
 }
 

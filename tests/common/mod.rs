@@ -41,6 +41,19 @@ pub fn fast_with<'a>(overrides: &[&'a str]) -> Vec<&'a str> {
     v
 }
 
+/// Short Redis lease timings that keep the startup rule:
+/// ttl 3s - margin 130ms - grace 1s = 1.87s >= renew 500ms + check-timeout 500ms.
+pub const REDIS_LEASE: &[&str] = &[
+    "--ttl",
+    "3s",
+    "--renew-interval",
+    "500ms",
+    "--check-timeout",
+    "500ms",
+    "--grace-period",
+    "1s",
+];
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -427,16 +440,7 @@ impl Backend {
     pub fn fast_args(&self) -> Vec<&'static str> {
         let mut args = FAST.to_vec();
         if let Backend::Redis(_) = self {
-            args = fast_with(&[
-                "--ttl",
-                "3s",
-                "--renew-interval",
-                "500ms",
-                "--check-timeout",
-                "500ms",
-                "--grace-period",
-                "1s",
-            ]);
+            args = fast_with(REDIS_LEASE);
         }
         args
     }
