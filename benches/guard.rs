@@ -10,10 +10,12 @@
 mod common;
 
 use std::fs;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::etcd::Etcd;
 use common::mariadb::MariaDb;
 use common::redis::Redis;
 use common::*;
@@ -109,6 +111,8 @@ struct Servers {
     mysql: MariaDb,
     redis: Redis,
     files: Lab,
+    /// Only for the side-by-side rows; `None` where etcd is not installed.
+    etcd: Option<Etcd>,
 }
 
 impl Servers {
@@ -191,19 +195,22 @@ fn startup(report: &mut Report, servers: &Servers, settings: &Settings) {
             "",
         );
     }
-    let etcd = Command::new("etcdctl").arg("version").output().is_ok();
-    report.row(
-        "start-up: `etcdctl lock <name> true`",
-        "-",
-        if etcd {
-            "installed but not run by this bench".into()
-        } else {
-            "not installed here (no etcd)".into()
-        },
-        "",
-        Value::Null,
-    );
+    let scenario = "start-up: `etcdctl lock <name> true`";
+    match &servers.etcd {
+        Some(etcd) => {
+            let mut locked = Stats::default();
+            for i in 0..rounds {
+                let mut cmd = etcd.ctl();
+                cmd.args(["lock", &format!("startup-{i}"), "true"]);
+                locked.push_ms(time_command(cmd));
+            }
+            report.latency(scenario, "etcd", &locked, "");
+        }
+        None => report.row(scenario, "-", NO_ETCD.into(), "", Value::Null),
+    }
 }
+
+const NO_ETCD: &str = "not installed here (no etcd/etcdctl)";
 
 /// From a fault to the leader app receiving its stop signal.
 fn detection(report: &mut Report, servers: &mut Servers, settings: &Settings) {
@@ -274,10 +281,30 @@ fn detection(report: &mut Report, servers: &mut Servers, settings: &Settings) {
 
 /// From the leader's app exiting (clean release) or the leader guard's SIGKILL, to a `--wait`
 /// standby's app starting.
+/// Whether a process whose command line names `dir` (an app of `timing_app(dir, ..)`) is alive.
+fn app_alive_in(dir: &Path) -> bool {
+    let dir = dir.to_string_lossy().into_owned();
+    fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|entry| fs::read(entry.ok()?.path().join("cmdline")).ok())
+        .any(|cmdline| String::from_utf8_lossy(&cmdline).contains(&dir))
+}
+
+fn orphan_row(report: &mut Report, backend: &str, orphaned: usize, rounds: usize) {
+    report.row(
+        "takeover: leader's app still running when the standby's app started",
+        backend,
+        format!("{orphaned} of {rounds} rounds"),
+        "0",
+        json!({"orphaned": orphaned, "rounds": rounds}),
+    );
+}
+
 fn takeover(report: &mut Report, servers: &Servers, settings: &Settings) {
     for backend in BACKENDS {
         for sigkill in [false, true] {
             let mut stats = Stats::default();
+            let mut orphaned = 0;
             for round in 0..settings.rounds {
                 let (lead, standby) = (Lab::new(), Lab::new());
                 let name = format!("takeover-{sigkill}-{round}");
@@ -304,6 +331,7 @@ fn takeover(report: &mut Report, servers: &Servers, settings: &Settings) {
                 if let (Some(from), Some(started)) = (from, started) {
                     stats.push_ms(started.saturating_sub(from));
                 }
+                orphaned += usize::from(app_alive_in(lead.dir.path()));
                 let _ = leader.wait();
                 send(standby_guard.id() as i32, 15);
                 let _ = standby_guard.wait();
@@ -323,8 +351,55 @@ fn takeover(report: &mut Report, servers: &Servers, settings: &Settings) {
                 ),
             };
             report.latency(scenario, backend, &stats, target);
+            if sigkill {
+                orphan_row(report, backend, orphaned, settings.rounds);
+            }
         }
     }
+    etcd_takeover(report, servers, settings);
+}
+
+/// The same SIGKILL takeover with `etcdctl lock --ttl 3` (the ttl of the Redis rows) as leader and
+/// standby, for comparison.
+fn etcd_takeover(report: &mut Report, servers: &Servers, settings: &Settings) {
+    let scenario = "takeover: leader SIGKILLed -> standby's app started";
+    let Some(etcd) = &servers.etcd else {
+        report.row(scenario, "-", NO_ETCD.into(), "", Value::Null);
+        return;
+    };
+    let mut stats = Stats::default();
+    let mut orphaned = 0;
+    for round in 0..settings.rounds {
+        let (lead, standby) = (Lab::new(), Lab::new());
+        let name = format!("takeover-etcd-{round}");
+        // Each in its own process group, so the app it leaves behind can be cleaned up after.
+        let lock = |dir: &Path| {
+            let mut cmd = etcd.ctl();
+            cmd.args(["lock", "--ttl", "3", &name])
+                .args(timing_app(dir, None))
+                .process_group(0)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            cmd.spawn().unwrap()
+        };
+        let mut leader = lock(lead.dir.path());
+        stamp(lead.dir.path(), "started", Duration::from_secs(10)).expect("leader started");
+        let mut waiting = lock(standby.dir.path());
+        std::thread::sleep(Duration::from_millis(500));
+        let at = now_ns();
+        send(leader.id() as i32, 9);
+        let _ = leader.wait();
+        if let Some(started) = stamp(standby.dir.path(), "started", Duration::from_secs(15)) {
+            stats.push_ms(started.saturating_sub(at));
+        }
+        orphaned += usize::from(app_alive_in(lead.dir.path()));
+        send(-(leader.id() as i32), 9);
+        send(-(waiting.id() as i32), 15);
+        let _ = waiting.wait();
+    }
+    report.latency(scenario, "etcd (`etcdctl lock --ttl 3`)", &stats, "");
+    orphan_row(report, "etcd", orphaned, settings.rounds);
 }
 
 fn proc_stat_ticks(pid: u32) -> u64 {
@@ -434,17 +509,79 @@ fn footprint_and_idle(report: &mut Report, servers: &Servers, settings: &Setting
             json!({"cpu_ms": cpu_ms, "window_s": elapsed.as_secs_f64(), "backend_ops_per_s": rate}),
         );
     }
-    for tool in ["tini", "etcdctl"] {
-        if Command::new(tool).arg("--version").output().is_err() {
-            report.row(
-                &format!("footprint: peak RSS of `{tool}`"),
-                "-",
-                "not installed here".into(),
-                "",
-                Value::Null,
-            );
+    let with_metrics = guard_cmd(
+        &servers.url("mysql"),
+        "idle-metrics",
+        &["--metrics-addr", &format!("127.0.0.1:{}", free_port())],
+        &["sleep".into(), "1000".into()],
+    );
+    peak_rss_row(
+        report,
+        "footprint: peak RSS holding a lock, `--metrics-addr` on and scraped",
+        "mysql",
+        with_metrics,
+        "<= 5 MB",
+    );
+    for (tool, args) in [
+        ("tini", &["-s", "--", "sleep", "1000"][..]),
+        ("dumb-init", &["sleep", "1000"][..]),
+    ] {
+        let scenario = format!("footprint: peak RSS of `{tool}` supervising `sleep`");
+        if Command::new(tool).arg("--version").output().is_ok() {
+            let mut cmd = Command::new(tool);
+            cmd.args(args);
+            peak_rss_row(report, &scenario, "-", cmd, "");
+        } else {
+            report.row(&scenario, "-", "not installed here".into(), "", Value::Null);
         }
     }
+    let scenario = "footprint: peak RSS of `etcdctl lock` holding a lock";
+    match &servers.etcd {
+        Some(etcd) => {
+            let mut cmd = etcd.ctl();
+            cmd.args(["lock", "idle", "sleep", "1000"]);
+            peak_rss_row(report, scenario, "etcd", cmd, "");
+        }
+        None => report.row(scenario, "-", NO_ETCD.into(), "", Value::Null),
+    }
+}
+
+/// VmHWM of the process `cmd` starts, once it has run for a second (with `--metrics-addr`, after a
+/// scrape, so serving counts too). Stopped through its process group: `etcdctl lock` ignores SIGTERM
+/// and waits for its command.
+fn peak_rss_row(
+    report: &mut Report,
+    scenario: &str,
+    backend: &str,
+    mut cmd: Command,
+    target: &str,
+) {
+    let mut child = cmd
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    let args: Vec<String> = cmd
+        .get_args()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    if let Some(at) = args.iter().position(|a| a == "--metrics-addr") {
+        let port: u16 = args[at + 1].rsplit(':').next().unwrap().parse().unwrap();
+        common::endpoints::Metrics::scrape(port).expect("metrics answer");
+    }
+    let hwm = vm_hwm_kb(child.id());
+    send(-(child.id() as i32), 15);
+    let _ = child.wait();
+    report.row(
+        scenario,
+        backend,
+        format!("{:.1} MB", hwm as f64 / 1024.0),
+        target,
+        json!({"vm_hwm_kb": hwm}),
+    );
 }
 
 /// N guards holding distinct locks against one server: server CPU and command rate.
@@ -524,6 +661,7 @@ fn main() {
         mysql: MariaDb::start(),
         redis: Redis::start(),
         files: Lab::new(),
+        etcd: Etcd::start(),
     };
     let mut report = Report { rows: Vec::new() };
     startup(&mut report, &servers, &settings);

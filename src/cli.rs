@@ -88,6 +88,10 @@ pub struct Cli {
     #[arg(long, env = "SENTINEL_GUARD_MAX_RUNTIME", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub max_runtime: Option<Duration>,
 
+    /// Serve /metrics, /healthz and /leader over HTTP on this address, e.g. 0.0.0.0:9464 (default: off)
+    #[arg(long, env = "SENTINEL_GUARD_METRICS_ADDR", value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+
     /// Log format on stderr; the level is set with SENTINEL_GUARD_LOG (tracing filter syntax)
     #[arg(long, env = "SENTINEL_GUARD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,

@@ -67,6 +67,7 @@ pub struct Config {
     pub forward_to: ForwardTo,
     pub exit_code_map: ExitCodeMap,
     pub max_runtime: Option<Duration>,
+    pub metrics_addr: Option<std::net::SocketAddr>,
     pub log_format: LogFormat,
     pub command: Vec<OsString>,
 }
@@ -179,6 +180,7 @@ impl Config {
             forward_to: cli.forward_to,
             exit_code_map: ExitCodeMap::parse(&cli.exit_code_map)?,
             max_runtime: cli.max_runtime,
+            metrics_addr: cli.metrics_addr,
             log_format: cli.log_format,
             command: cli.command,
         })

@@ -4,21 +4,23 @@
 mod backend;
 mod cli;
 mod config;
+mod endpoints;
 mod holder;
+mod logging;
+mod metrics;
 mod outcome;
 mod run;
 mod status;
 mod supervisor;
 
-use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{CommandFactory, Parser};
-use tracing_subscriber::EnvFilter;
 
-use crate::cli::{Cli, LogFormat};
+use crate::cli::Cli;
 use crate::config::{Config, Invocation};
+use crate::endpoints::Endpoints;
 use crate::outcome::{Outcome, EXIT_INTERNAL, EXIT_USAGE};
 
 fn main() -> ExitCode {
@@ -27,7 +29,7 @@ fn main() -> ExitCode {
         .nth(1)
         .is_some_and(|arg| arg == "__watchdog")
     {
-        init_logging(LogFormat::Text);
+        logging::init(logging::inherited_format());
         let args: Vec<String> = std::env::args_os()
             .skip(2)
             .map(|a| a.to_string_lossy().into_owned())
@@ -46,13 +48,21 @@ fn main() -> ExitCode {
     };
     match invocation {
         Invocation::Guard(config) => {
-            init_logging(config.log_format);
-            match guard(&config) {
+            logging::init(config.log_format);
+            // Bound first: a taken address is a mistake in the invocation, reported before any lock.
+            let endpoints = match config.metrics_addr.map(Endpoints::bind).transpose() {
+                Ok(endpoints) => endpoints,
+                Err(e) => {
+                    tracing::error!(name = %config.name, event = "metrics_addr_unavailable", error = %e, "guard not started");
+                    return ExitCode::from(EXIT_USAGE);
+                }
+            };
+            match guard(&config, endpoints) {
                 Ok(outcome) => {
                     ExitCode::from(outcome.exit_code(config.held_exit_code, &config.exit_code_map))
                 }
                 Err(e) => {
-                    tracing::error!(lock = %config.name, error = format!("{e:#}"), "guard failed");
+                    tracing::error!(name = %config.name, event = "guard_failed", error = format!("{e:#}"), "guard failed");
                     ExitCode::from(EXIT_INTERNAL)
                 }
             }
@@ -95,23 +105,6 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 /// Runs on the main thread: the app is spawned from it, and its PR_SET_PDEATHSIG is tied to the
 /// spawning thread, which must therefore live as long as the guard.
-fn guard(config: &Config) -> anyhow::Result<Outcome> {
-    Ok(runtime()?.block_on(run::run(config)))
-}
-
-fn init_logging(format: LogFormat) {
-    let filter =
-        EnvFilter::try_from_env("SENTINEL_GUARD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(true)
-            .init(),
-    }
+fn guard(config: &Config, endpoints: Option<Endpoints>) -> anyhow::Result<Outcome> {
+    Ok(runtime()?.block_on(run::run(config, endpoints)))
 }

@@ -5,11 +5,13 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use tokio::time::{sleep_until, Instant};
-use tracing::{debug, error, info, info_span, warn, Instrument};
+use tracing::{debug, error, info, info_span, warn, Instrument, Span};
 
 use crate::backend::{self, Acquisition, HeldLock, LockRequest, Patience};
 use crate::config::{Config, Wait};
+use crate::endpoints::Endpoints;
 use crate::holder::Holder;
+use crate::metrics::{AcquireOutcome, Metrics, GUARD_FROZEN};
 use crate::outcome::Outcome;
 use crate::supervisor::{
     self, ends_wait, is_shutdown, signal_name, AppEnv, SignalEvents, SpawnError, StartError,
@@ -19,21 +21,38 @@ use crate::supervisor::{
 /// Variables the app must never see: they may carry the backend's credentials.
 const HIDDEN_FROM_APP: &[&str] = &["SENTINEL_GUARD_URL", "SENTINEL_GUARD_URL_FILE"];
 
-pub async fn run(config: &Config) -> Outcome {
+pub async fn run(config: &Config, endpoints: Option<Endpoints>) -> Outcome {
     let holder = Holder::of_this_process();
     let backend = config.target.as_ref().map_or("none", |t| t.backend_name());
-    let span = info_span!("guard", lock = %config.name, backend, holder_id = %holder.id);
-    let outcome = Guard {
+    let span = info_span!(
+        "guard",
+        name = %config.name,
+        backend,
+        holder_id = %holder.id,
+        app_pid = tracing::field::Empty,
+    );
+    let metrics = Metrics::new(
+        config.name.as_str(),
+        backend,
+        config.target.is_none(),
+        config.timings.check_timeout,
+    );
+    let guard = Guard {
         config,
         holder: &holder,
         backend,
-    }
-    .run()
-    .instrument(span.clone())
-    .await;
+        metrics,
+        span: span.clone(),
+    };
+    let outcome = guard.run(endpoints).instrument(span.clone()).await;
     span.in_scope(|| {
         let exit_code = outcome.exit_code(config.held_exit_code, &config.exit_code_map);
-        info!(?outcome, exit_code, "guard exiting");
+        info!(
+            event = "guard_exiting",
+            ?outcome,
+            exit_code,
+            "guard exiting"
+        );
     });
     outcome
 }
@@ -42,24 +61,33 @@ struct Guard<'a> {
     config: &'a Config,
     holder: &'a Holder,
     backend: &'static str,
+    metrics: Metrics,
+    span: Span,
 }
 
 impl Guard<'_> {
-    async fn run(self) -> Outcome {
+    async fn run(self, endpoints: Option<Endpoints>) -> Outcome {
+        if let Some(endpoints) = endpoints {
+            if let Err(e) = endpoints.serve(self.metrics.clone()) {
+                error!(event = "metrics_failed", error = %e, "cannot serve the metrics endpoint");
+                return Outcome::Internal;
+            }
+        }
         // Handlers first: from here on no signal kills the guard and no child goes unreaped.
         let mut signals = match SignalEvents::register() {
             Ok(signals) => signals,
             Err(e) => {
-                error!(error = %e, "cannot install signal handlers");
+                error!(event = "setup_failed", error = %e, "cannot install signal handlers");
                 return Outcome::Internal;
             }
         };
         if let Err(e) = supervisor::become_subreaper() {
-            error!(error = %e, "cannot become child subreaper; orphans of the app could escape teardown");
+            error!(event = "setup_failed", error = %e, "cannot become child subreaper; orphans of the app could escape teardown");
             return Outcome::Internal;
         }
         let Some(target) = &self.config.target else {
             warn!(
+                event = "unguarded",
                 "SINGLE_INSTANCE_GUARD=false: running the app WITHOUT ANY LOCK; several copies may run at once. \
                  Never use this in production."
             );
@@ -75,18 +103,24 @@ impl Guard<'_> {
             timings: &self.config.timings,
             holder: self.holder,
             patience,
+            metrics: &self.metrics,
         };
         let attempt = tokio::select! {
             attempt = backend::acquire(target, &request) => attempt,
             signal = stop_request(&mut signals) => {
-                warn!(signal = %signal_name(signal), "stopped while taking the lock; the app was not started");
+                warn!(event = "stopped_before_start", signal = %signal_name(signal), "stopped while taking the lock; the app was not started");
                 return Outcome::StoppedBeforeStart;
             }
         };
         let held = match attempt {
-            Ok(Acquisition::Acquired(held)) => held,
+            Ok(Acquisition::Acquired(held)) => {
+                self.metrics.acquire(AcquireOutcome::Acquired);
+                self.metrics.lock_taken(held.app_deadline());
+                held
+            }
             Ok(Acquisition::HeldElsewhere(holder)) => {
                 warn!(
+                    event = "lock_held_elsewhere",
                     holder = %holder,
                     exit_code = self.config.held_exit_code,
                     "lock is held by another instance; the app was not started"
@@ -94,7 +128,8 @@ impl Guard<'_> {
                 return Outcome::HeldElsewhere;
             }
             Err(e) => {
-                error!(error = %e, "cannot take the lock; the app was not started");
+                self.metrics.acquire(AcquireOutcome::Error);
+                error!(event = "acquire_failed", error = %e, "cannot take the lock; the app was not started");
                 return Outcome::Unavailable;
             }
         };
@@ -117,20 +152,35 @@ impl Guard<'_> {
             return Ok(held);
         }
         if held.previous_release_was_clean() {
-            info!("previous holder released the lock cleanly; no takeover delay needed");
+            info!(
+                event = "takeover_delay_skipped",
+                "previous holder released the lock cleanly; no takeover delay needed"
+            );
             return Ok(held);
         }
-        info!(delay = %humantime::format_duration(delay), "lock acquired; holding it for the takeover delay before starting the app");
+        info!(event = "takeover_delay", delay = %humantime::format_duration(delay), "lock acquired; holding it for the takeover delay before starting the app");
         tokio::select! {
             _ = tokio::time::sleep(delay) => Ok(held),
             loss = held.lost() => {
-                error!(reason = %loss.reason, detail = %loss.detail, "lock lost during the takeover delay; the app was not started");
+                self.metrics.lock_lost(loss.reason.as_str());
+                error!(event = "lock_lost", reason = %loss.reason, detail = %loss.detail, "lock lost during the takeover delay; the app was not started");
                 Err(Outcome::LockLost)
             }
             signal = stop_request(signals) => {
-                warn!(signal = %signal_name(signal), "stopped during the takeover delay; the app was not started");
-                release(Some(held)).await;
+                warn!(event = "stopped_before_start", signal = %signal_name(signal), "stopped during the takeover delay; the app was not started");
+                self.release(Some(held)).await;
                 Err(Outcome::StoppedBeforeStart)
+            }
+        }
+    }
+
+    /// Gives the lock back; only called once nothing of the app is alive.
+    async fn release(&self, held: Option<HeldLock>) {
+        if let Some(lock) = held {
+            let released = lock.release().await;
+            self.metrics.lock_gone();
+            if let Err(e) = released {
+                warn!(event = "release_failed", error = %e, "lock release failed; the backend frees it when the guard's connection closes");
             }
         }
     }
@@ -156,8 +206,8 @@ impl Guard<'_> {
         ) {
             Ok(app) => app,
             Err(e) => {
-                error!(error = %e, "app not started");
-                release(held).await;
+                error!(event = "app_start_failed", error = %e, "app not started");
+                self.release(held).await;
                 return match e {
                     StartError::Spawn(SpawnError::NotFound { .. }) => Outcome::NotFound,
                     StartError::Spawn(SpawnError::NotExecutable { .. }) => Outcome::NotExecutable,
@@ -165,6 +215,8 @@ impl Guard<'_> {
                 };
             }
         };
+        self.span.record("app_pid", app.app_pid().as_raw());
+        self.metrics.app_started();
         let max_runtime_at = config.max_runtime.map(|d| Instant::now() + d);
         let mut kill_at: Option<Instant> = None;
         let grace = config.timings.grace_period;
@@ -176,26 +228,31 @@ impl Guard<'_> {
             tokio::select! {
                 dead_by = next_deadline(&mut app_deadline) => app.extend_watchdog(dead_by),
                 status = app.app_exit() => {
-                    info!(app_pid = app.app_pid().as_raw(), %status, "app ended");
+                    info!(event = "app_exited", %status, "app ended");
+                    self.metrics.app_ended(Some(status));
                     app.stop_tree(config.stop_signal, grace).await;
                     // A guard that was frozen past its lock's deadline finds its app stopped by the
                     // watchdog: that is a lost lock, not an app that ended on its own.
                     if app_deadline.as_ref().is_some_and(|deadline| Instant::now() >= *deadline.borrow()) {
-                        error!(reason = "guard_frozen", "the lock ran out while the guard was unresponsive; the watchdog stopped the app");
+                        self.metrics.lock_lost(GUARD_FROZEN);
+                        error!(event = "lock_lost", reason = GUARD_FROZEN, "the lock ran out while the guard was unresponsive; the watchdog stopped the app");
                         return Outcome::LockLost;
                     }
-                    release(held).await;
+                    self.release(held).await;
                     return Outcome::AppExited(status);
                 }
                 loss = lost(&mut held) => {
+                    // Counted before teardown, so /leader turns 503 the moment the lock is gone.
+                    self.metrics.lock_lost(loss.reason.as_str());
                     error!(
+                        event = "lock_lost",
                         reason = %loss.reason,
                         detail = %loss.detail,
-                        app_pid = app.app_pid().as_raw(),
                         "lock lost; stopping the app"
                     );
                     app.stop_tree(config.stop_signal, grace).await;
-                    info!(status = ?app.app_status().map(|s| s.to_string()), "app stopped after lock loss");
+                    self.metrics.app_ended(app.app_status());
+                    info!(event = "app_stopped", status = ?app.app_status().map(|s| s.to_string()), "app stopped after lock loss");
                     return Outcome::LockLost;
                 }
                 signal = signals.next() => {
@@ -205,15 +262,16 @@ impl Guard<'_> {
                     }
                 }
                 _ = at(kill_at) => {
-                    warn!(grace = %humantime::format_duration(grace), "app still running after the grace period; sending SIGKILL");
+                    warn!(event = "killing_app", grace = %humantime::format_duration(grace), "app still running after the grace period; sending SIGKILL");
                     app.stop_tree(Signal::SIGKILL, Duration::ZERO).await;
                     kill_at = None;
                 }
                 _ = at(max_runtime_at) => {
-                    warn!(max_runtime = ?config.max_runtime.map(|d| humantime::format_duration(d).to_string()), "max runtime reached; stopping the app");
+                    warn!(event = "max_runtime", max_runtime = ?config.max_runtime.map(|d| humantime::format_duration(d).to_string()), "max runtime reached; stopping the app");
                     app.stop_tree(config.stop_signal, grace).await;
-                    info!(status = ?app.app_status().map(|s| s.to_string()), "app stopped after max runtime");
-                    release(held).await;
+                    self.metrics.app_ended(app.app_status());
+                    info!(event = "app_stopped", status = ?app.app_status().map(|s| s.to_string()), "app stopped after max runtime");
+                    self.release(held).await;
                     return Outcome::MaxRuntime;
                 }
             }
@@ -239,7 +297,7 @@ async fn stop_request(signals: &mut SignalEvents) -> i32 {
         if ends_wait(signal) {
             return signal;
         }
-        debug!(signal = %signal_name(signal), "signal ignored: no app is running yet");
+        debug!(event = "signal_ignored", signal = %signal_name(signal), "signal ignored: no app is running yet");
     }
 }
 
@@ -254,13 +312,5 @@ async fn at(deadline: Option<Instant>) {
     match deadline {
         Some(deadline) => sleep_until(deadline).await,
         None => std::future::pending().await,
-    }
-}
-
-async fn release(held: Option<HeldLock>) {
-    if let Some(lock) = held {
-        if let Err(e) = lock.release().await {
-            warn!(error = %e, "lock release failed; the backend frees it when the guard's connection closes");
-        }
     }
 }

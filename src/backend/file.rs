@@ -10,15 +10,17 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use tokio::time::Instant;
 
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
 use tracing::info;
 
 use super::{
-    Acquisition, HeldLock, HolderInfo, LockError, LockLoss, LockRequest, LossReason, WaitLog,
+    Acquisition, Contention, HeldLock, HolderInfo, LockError, LockLoss, LockRequest, LossReason,
 };
 use crate::holder::Holder;
+use crate::metrics::{CheckOutcome, Checks};
 
 /// How often to retry when the path was replaced between opening and locking it.
 const OPEN_ATTEMPTS: usize = 5;
@@ -28,16 +30,19 @@ const OPEN_ATTEMPTS: usize = 5;
 const WAIT_POLL: Duration = Duration::from_millis(10);
 
 pub async fn acquire(path: &Path, request: &LockRequest<'_>) -> Result<Acquisition, LockError> {
-    let mut log = WaitLog::new();
+    let mut contention = Contention::new(request.metrics);
     loop {
         match try_acquire(path, request)? {
-            Acquisition::HeldElsewhere(holder) if !request.patience.exhausted() => {
-                if log.due() {
-                    log.waiting(&holder);
+            Acquisition::HeldElsewhere(holder) if request.patience.exhausted() => {
+                return Ok(contention.give_up(holder));
+            }
+            Acquisition::HeldElsewhere(holder) => {
+                if contention.log_due() {
+                    contention.waiting(&holder);
                 }
                 tokio::time::sleep(request.patience.cap(WAIT_POLL)).await;
             }
-            decided => return Ok(decided),
+            acquired => return Ok(acquired),
         }
     }
 }
@@ -63,12 +68,13 @@ fn try_acquire(path: &Path, request: &LockRequest<'_>) -> Result<Acquisition, Lo
             continue;
         }
         write_holder(&mut locked, request.holder).map_err(|e| io_error(path, e))?;
-        info!(path = %path.display(), "file lock acquired");
+        info!(event = "lock_acquired", path = %path.display(), "file lock acquired");
         return Ok(Acquisition::Acquired(HeldLock::File(FileLock {
             file: locked,
             path: path.to_owned(),
             identity,
             check_interval: request.timings.check_interval,
+            checks: request.metrics.checks(),
         })));
     }
     Err(LockError::Unsafe(format!(
@@ -185,6 +191,7 @@ pub struct FileLock {
     path: PathBuf,
     identity: FileIdentity,
     check_interval: std::time::Duration,
+    checks: Checks,
 }
 
 impl FileLock {
@@ -192,13 +199,25 @@ impl FileLock {
         let mut ticks = tokio::time::interval(self.check_interval);
         loop {
             ticks.tick().await;
-            let reason = match std::fs::metadata(&self.path) {
+            let started = Instant::now();
+            let found = std::fs::metadata(&self.path);
+            let reason = match found {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => LossReason::LockFileDeleted,
                 Ok(meta) if FileIdentity::of(&meta) != self.identity => {
                     LossReason::LockFileReplaced
                 }
-                _ => continue,
+                // Another stat error (EACCES after a chmod of the directory, say) proves nothing
+                // about the lock, which the open descriptor keeps.
+                Err(_) => {
+                    self.checks.record(CheckOutcome::Error, started.elapsed());
+                    continue;
+                }
+                Ok(_) => {
+                    self.checks.record(CheckOutcome::Ok, started.elapsed());
+                    continue;
+                }
             };
+            self.checks.record(CheckOutcome::Error, started.elapsed());
             return LockLoss {
                 reason,
                 detail: format!("{} no longer names the locked file", self.path.display()),
@@ -213,7 +232,7 @@ impl FileLock {
         self.file.unlock().map_err(|(_, errno)| {
             LockError::Refused(format!("unlock {}: {errno}", self.path.display()))
         })?;
-        info!(path = %self.path.display(), "file lock released");
+        info!(event = "lock_released", path = %self.path.display(), "file lock released");
         Ok(())
     }
 }

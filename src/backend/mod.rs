@@ -17,6 +17,7 @@ use tracing::{info, warn};
 
 use crate::config::{LockName, Target, Timings};
 use crate::holder::Holder;
+use crate::metrics::{AcquireOutcome, Metrics};
 
 /// Why the lock could not be taken or used. Every variant means "the app must not run": exit 69.
 #[derive(Debug, Error)]
@@ -49,6 +50,16 @@ pub enum LossReason {
 }
 
 impl LossReason {
+    pub const ALL: [LossReason; 7] = [
+        LossReason::ConnectionClosed,
+        LossReason::NotOwner,
+        LossReason::CheckTimeout,
+        LossReason::CheckFailed,
+        LossReason::LeaseExpiring,
+        LossReason::LockFileDeleted,
+        LossReason::LockFileReplaced,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             LossReason::ConnectionClosed => "connection_closed",
@@ -151,25 +162,49 @@ impl Patience {
     }
 }
 
-/// Rate limits the "still waiting" log line: the holder once, then at most once a minute.
-pub struct WaitLog {
-    last: Option<Instant>,
+/// A lock found held by another instance: counted once per acquisition as `acquire{outcome="held"}`
+/// (at first sight, so a waiting standby shows up while it waits), and logged with its holder when
+/// the wait starts, then at most once a minute.
+pub struct Contention<'a> {
+    metrics: &'a Metrics,
+    last_log: Option<Instant>,
+    counted: bool,
 }
 
 const WAIT_LOG_EVERY: Duration = Duration::from_secs(60);
 
-impl WaitLog {
-    pub fn new() -> WaitLog {
-        WaitLog { last: None }
+impl Contention<'_> {
+    pub fn new(metrics: &Metrics) -> Contention<'_> {
+        Contention {
+            metrics,
+            last_log: None,
+            counted: false,
+        }
     }
 
-    pub fn due(&self) -> bool {
-        self.last.is_none_or(|at| at.elapsed() >= WAIT_LOG_EVERY)
+    /// Whether the "still waiting" line is due; true until the lock was first found held.
+    pub fn log_due(&self) -> bool {
+        self.last_log
+            .is_none_or(|at| at.elapsed() >= WAIT_LOG_EVERY)
     }
 
     pub fn waiting(&mut self, holder: &HolderInfo) {
-        self.last = Some(Instant::now());
-        info!(holder = %holder, "lock is held by another instance; waiting");
+        self.count();
+        self.last_log = Some(Instant::now());
+        info!(event = "lock_waiting", holder = %holder, "lock is held by another instance; waiting");
+    }
+
+    /// Patience has run out with the lock still held elsewhere.
+    pub fn give_up(mut self, holder: HolderInfo) -> Acquisition {
+        self.count();
+        Acquisition::HeldElsewhere(holder)
+    }
+
+    fn count(&mut self) {
+        if !self.counted {
+            self.counted = true;
+            self.metrics.acquire(AcquireOutcome::Held);
+        }
     }
 }
 
@@ -195,7 +230,7 @@ impl Backoff {
     /// Logs the failure and sleeps for the current step, within what patience has left.
     pub async fn pause(&mut self, error: &LockError, patience: Patience) {
         let pause = patience.cap(self.next);
-        warn!(error = %error, retry_in = %humantime::format_duration(pause), "lock backend failed while waiting; retrying");
+        warn!(event = "backend_retry", error = %error, retry_in = %humantime::format_duration(pause), "lock backend failed while waiting; retrying");
         tokio::time::sleep(pause).await;
         self.next = (self.next * 2).min(Backoff::MAX);
     }
@@ -207,6 +242,8 @@ pub struct LockRequest<'a> {
     pub timings: &'a Timings,
     pub holder: &'a Holder,
     pub patience: Patience,
+    /// Where acquisition outcomes and the held lock's ownership checks are recorded.
+    pub metrics: &'a Metrics,
 }
 
 /// Takes the lock, waiting for it as long as `request.patience` allows. A backend that fails before

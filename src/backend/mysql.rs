@@ -16,11 +16,12 @@ use tracing::{debug, info, warn};
 
 use super::watched::{WatchedLock, WatcherEnds};
 use super::{
-    Acquisition, Backoff, HeldLock, HolderInfo, LockError, LockLoss, LockRequest, LossReason,
-    Patience, WaitLog,
+    Acquisition, Backoff, Contention, HeldLock, HolderInfo, LockError, LockLoss, LockRequest,
+    LossReason, Patience,
 };
 use crate::config::{LockName, MysqlTarget, Timings};
 use crate::holder::Holder;
+use crate::metrics::{CheckOutcome, Checks};
 
 /// Server error codes that mean the server ended our session rather than refused one statement.
 const ER_SERVER_SHUTDOWN: u16 = 1053;
@@ -105,13 +106,13 @@ pub async fn acquire(
     let patience = request.patience;
     let name = request.name.as_str();
     let mut conn = open_session(target, timings).await?;
-    let mut log = WaitLog::new();
+    let mut contention = Contention::new(request.metrics);
     let mut backoff = Backoff::new();
     loop {
         // The server queues waiters: GET_LOCK returns the moment the holder releases or its session
         // ends. Waiting in chunks re-checks patience and notices a silent server. The first attempt
         // does not wait, so a standby names the holder at once.
-        let chunk = if log.due() {
+        let chunk = if contention.log_due() {
             Duration::ZERO
         } else {
             patience.cap(WAIT_CHUNK)
@@ -127,6 +128,7 @@ pub async fn acquire(
         let error = match got {
             Ok(Ok(Some(Some(1)))) => {
                 info!(
+                    event = "lock_acquired",
                     connection_id = conn.id(),
                     wait_timeout_secs = timings.mysql_wait_timeout_secs(),
                     server_version = %version(&conn),
@@ -139,11 +141,12 @@ pub async fn acquire(
             Ok(Ok(Some(Some(0)))) if patience.exhausted() => {
                 let holder = describe_holder(&mut conn, name, timings.check_timeout).await;
                 let _ = timeout(timings.check_timeout, conn.disconnect()).await;
-                return Ok(Acquisition::HeldElsewhere(holder));
+                return Ok(contention.give_up(holder));
             }
             Ok(Ok(Some(Some(0)))) => {
-                if log.due() {
-                    log.waiting(&describe_holder(&mut conn, name, timings.check_timeout).await);
+                if contention.log_due() {
+                    contention
+                        .waiting(&describe_holder(&mut conn, name, timings.check_timeout).await);
                 }
                 backoff.reset();
                 continue;
@@ -301,7 +304,9 @@ impl MysqlLock {
             check_sql: check_sql(request),
             release_sql: format!("SELECT RELEASE_LOCK('{}')", request.name.as_str()),
             budget: request.timings.detection_bound(),
+            sleep: request.timings.check_interval,
             grace: request.timings.grace_period,
+            checks: request.metrics.checks(),
         };
         let dead_by = Instant::now() + watcher.budget + watcher.grace;
         MysqlLock(WatchedLock::spawn(dead_by, |ends| watcher.run(conn, ends)))
@@ -338,7 +343,10 @@ struct Watcher {
     release_sql: String,
     /// check-interval (the server-side sleep) + check-timeout.
     budget: Duration,
+    /// The server-side sleep alone: not counted as the check's duration.
+    sleep: Duration,
     grace: Duration,
+    checks: Checks,
 }
 
 /// The row of `check_sql`, or why there is none.
@@ -360,7 +368,8 @@ impl Watcher {
             if !matches!(ends.release.try_recv(), Err(TryRecvError::Empty)) {
                 return self.release(conn).await;
             }
-            ends.app_dead_by(Instant::now() + self.budget + self.grace);
+            let sent = Instant::now();
+            ends.app_dead_by(sent + self.budget + self.grace);
             let (check, releasing) = {
                 let check = timeout(
                     self.budget,
@@ -373,6 +382,18 @@ impl Watcher {
                     _ = &mut ends.release => (self.judge(self.interrupt(check).await), true),
                 }
             };
+            // An interrupted check says nothing about how fast the server answers.
+            if !releasing {
+                let outcome = match &check {
+                    Check::Owned => CheckOutcome::Ok,
+                    Check::Lost(loss) if loss.reason == LossReason::CheckTimeout => {
+                        CheckOutcome::Timeout
+                    }
+                    Check::Lost(_) => CheckOutcome::Error,
+                };
+                self.checks
+                    .record(outcome, sent.elapsed().saturating_sub(self.sleep));
+            }
             match (check, releasing) {
                 (Check::Owned, false) => continue,
                 (Check::Owned, true) => return self.release(conn).await,
@@ -455,18 +476,25 @@ impl Watcher {
         )
         .await;
         match released {
-            Ok(Ok(Some(Some(1)))) => info!(connection_id = self.conn_id, "mysql lock released"),
+            Ok(Ok(Some(Some(1)))) => info!(
+                event = "lock_released",
+                connection_id = self.conn_id,
+                "mysql lock released"
+            ),
             Ok(Ok(other)) => warn!(
+                event = "release_failed",
                 connection_id = self.conn_id,
                 result = ?other,
                 "release_lock did not confirm; closing the connection frees the lock"
             ),
             Ok(Err(e)) => warn!(
+                event = "release_failed",
                 connection_id = self.conn_id,
                 error = %self.target.url.scrub(e),
                 "release_lock failed; closing the connection frees the lock"
             ),
             Err(_) => warn!(
+                event = "release_failed",
                 connection_id = self.conn_id,
                 "release_lock timed out; closing the connection frees the lock"
             ),

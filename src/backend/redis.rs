@@ -16,11 +16,12 @@ use tracing::{debug, info, warn};
 
 use super::watched::{WatchedLock, WatcherEnds};
 use super::{
-    Acquisition, Backoff, HeldLock, HolderInfo, LockError, LockLoss, LockRequest, LossReason,
-    Patience, WaitLog,
+    Acquisition, Backoff, Contention, HeldLock, HolderInfo, LockError, LockLoss, LockRequest,
+    LossReason, Patience,
 };
 use crate::config::{LockName, RedisTarget, Timings};
 use crate::holder::Holder;
+use crate::metrics::{CheckOutcome, Checks};
 
 /// The value is `<token> fence=<n> <holder>`; the token is its first word. Returns `{fence, clean}`:
 /// fence 0 when held by another token; clean 1 only when the previous lease was released by its owner
@@ -198,7 +199,7 @@ pub async fn acquire(
     let mut conn = None;
     let fail_closed_at = Instant::now() + timings.connect_timeout;
     let mut answered = false;
-    let (mut log, mut backoff) = (WaitLog::new(), Backoff::new());
+    let (mut contention, mut backoff) = (Contention::new(request.metrics), Backoff::new());
     loop {
         let failure = match attempt(target, &mut conn, &invocation, &keys, &timings).await {
             Ok(Attempt::Won {
@@ -208,6 +209,7 @@ pub async fn acquire(
                 sent,
             }) => {
                 info!(
+                    event = "lock_acquired",
                     fencing_token = fence,
                     key = %keys.lock,
                     ttl = %humantime::format_duration(timings.ttl),
@@ -221,6 +223,7 @@ pub async fn acquire(
                     conn: Some(conn),
                     timings,
                     valid_until: sent + timings.redis_lease_validity(),
+                    checks: request.metrics.checks(),
                 };
                 return Ok(Acquisition::Acquired(HeldLock::Redis(RedisLock {
                     fence,
@@ -230,12 +233,12 @@ pub async fn acquire(
             }
             Ok(Attempt::Held { holder, expires_in }) => {
                 if patience.exhausted() {
-                    return Ok(Acquisition::HeldElsewhere(holder));
+                    return Ok(contention.give_up(holder));
                 }
                 answered = true;
                 backoff.reset();
-                if log.due() {
-                    log.waiting(&holder);
+                if contention.log_due() {
+                    contention.waiting(&holder);
                 }
                 // A crashed holder's key frees only by expiry, which announces nothing.
                 let jitter = Duration::from_millis(rand::random_range(0..MAX_JITTER_MS));
@@ -329,11 +332,14 @@ async fn subscribe(target: &RedisTarget, keys: &Keys, limit: Duration) -> Option
     match subscribed {
         Ok(Ok(pubsub)) => Some(pubsub),
         Ok(Err(e)) => {
-            warn!(error = %target.url.scrub(e), "cannot subscribe to release announcements; polling only");
+            warn!(event = "subscribe_failed", error = %target.url.scrub(e), "cannot subscribe to release announcements; polling only");
             None
         }
         Err(_) => {
-            warn!("cannot subscribe to release announcements in time; polling only");
+            warn!(
+                event = "subscribe_failed",
+                "cannot subscribe to release announcements in time; polling only"
+            );
             None
         }
     }
@@ -353,7 +359,10 @@ async fn wait_for_release(releases: &mut Option<PubSub>, nap: Duration) {
         }
     };
     if subscription_ended {
-        warn!("release announcements stopped; polling only");
+        warn!(
+            event = "subscribe_failed",
+            "release announcements stopped; polling only"
+        );
         *releases = None;
     }
 }
@@ -449,6 +458,13 @@ struct Lease {
     timings: Timings,
     /// Send time of the last confirmed acquire or renewal + ttl - drift margin.
     valid_until: Instant,
+    checks: Checks,
+}
+
+/// A script invocation that did not answer with a value.
+struct ScriptFailure {
+    outcome: CheckOutcome,
+    message: String,
 }
 
 enum Renewal {
@@ -497,7 +513,7 @@ impl Lease {
                 }
                 Step::Renewed(Renewal::Failed(error)) => {
                     let left = self.valid_until.saturating_duration_since(Instant::now());
-                    warn!(error = %error, lease_left = %humantime::format_duration(round(left)), "redis lease renewal failed; retrying");
+                    warn!(event = "renewal_failed", error = %error, lease_left = %humantime::format_duration(round(left)), "redis lease renewal failed; retrying");
                     next_attempt = Instant::now() + retry;
                 }
                 Step::MustStop => {
@@ -523,15 +539,25 @@ impl Lease {
         let renew = Script::new(RENEW);
         let mut invocation = renew.key(&self.keys.lock);
         invocation.arg(&self.token).arg(millis(self.timings.ttl));
-        match self.bounded(&invocation).await {
+        let result = self.bounded(&invocation).await;
+        let outcome = match &result {
+            Ok(1) => CheckOutcome::Ok,
+            Ok(_) => CheckOutcome::Error,
+            Err(failure) => failure.outcome,
+        };
+        self.checks.record(outcome, sent.elapsed());
+        match result {
             Ok(1) => Renewal::Confirmed { sent },
             Ok(_) => Renewal::NotOwner,
-            Err(error) => Renewal::Failed(error),
+            Err(failure) => Renewal::Failed(failure.message),
         }
     }
 
     /// Runs one script invocation within check-timeout, on the kept connection or a new one.
-    async fn bounded(&mut self, invocation: &redis::ScriptInvocation<'_>) -> Result<i64, String> {
+    async fn bounded(
+        &mut self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<i64, ScriptFailure> {
         let limit = self.timings.check_timeout;
         let target = &self.target;
         let slot = &mut self.conn;
@@ -547,14 +573,17 @@ impl Lease {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(e)) => {
                 self.conn = None;
-                Err(self.target.url.scrub(e))
+                Err(ScriptFailure {
+                    outcome: CheckOutcome::Error,
+                    message: self.target.url.scrub(e),
+                })
             }
             Err(_) => {
                 self.conn = None;
-                Err(format!(
-                    "no answer within {}",
-                    humantime::format_duration(limit)
-                ))
+                Err(ScriptFailure {
+                    outcome: CheckOutcome::Timeout,
+                    message: format!("no answer within {}", humantime::format_duration(limit)),
+                })
             }
         }
     }
@@ -569,10 +598,12 @@ impl Lease {
             .key(&self.keys.released)
             .arg(&self.token);
         match self.bounded(&invocation).await {
-            Ok(1) => info!(key = %self.keys.lock, "redis lease released"),
-            Ok(_) => warn!(key = %self.keys.lock, "redis lease was no longer ours at release"),
-            Err(error) => {
-                warn!(error = %error, "redis lease release failed; it expires within ttl")
+            Ok(1) => info!(event = "lock_released", key = %self.keys.lock, "redis lease released"),
+            Ok(_) => {
+                warn!(event = "release_failed", key = %self.keys.lock, "redis lease was no longer ours at release")
+            }
+            Err(failure) => {
+                warn!(event = "release_failed", error = %failure.message, "redis lease release failed; it expires within ttl")
             }
         }
         Ok(())

@@ -51,7 +51,7 @@ impl Supervisor {
         let mut reaper = reaper::Reaper::register().map_err(StartError::Setup)?;
         let app = spawn::spawn(command, env).map_err(StartError::Spawn)?;
         reaper.track(app);
-        let watchdog = match watchdog::Watchdog::spawn(app, stop_signal, grace) {
+        let watchdog = match watchdog::Watchdog::spawn(app, stop_signal, grace, &env.set) {
             Ok(watchdog) => watchdog,
             Err(e) => {
                 // Without its dead man's switch the app must not run.
@@ -60,6 +60,7 @@ impl Supervisor {
             }
         };
         info!(
+            event = "app_started",
             app_pid = app.as_raw(),
             watchdog_pid = watchdog.pid().as_raw(),
             "app started"
@@ -97,7 +98,7 @@ impl Supervisor {
         // SAFETY: kill(2) with a pid and a signal number has no memory-safety preconditions.
         let result = unsafe { nix::libc::kill(target, signal) };
         if result == 0 {
-            info!(signal = %name, target, "signal forwarded");
+            info!(event = "signal_forwarded", signal = %name, target, "signal forwarded");
         } else {
             // ESRCH: the app is already gone, which its exit status will tell.
             debug!(signal = %name, target, error = %Errno::last(), "signal not forwarded");
@@ -112,7 +113,7 @@ impl Supervisor {
         self.watchdog.disarm();
         let deadline = Instant::now() + grace;
         if self.signal_tree(signal) {
-            info!(signal = %signal, grace = %humantime::format_duration(grace), "stopping app process tree");
+            info!(event = "stopping_app", signal = %signal, grace = %humantime::format_duration(grace), "stopping app process tree");
         }
         loop {
             self.reaper.reap();
@@ -128,7 +129,7 @@ impl Supervisor {
                 .await;
         }
         if !grace.is_zero() {
-            warn!(grace = %humantime::format_duration(grace), "app processes outlived the grace period; sending SIGKILL");
+            warn!(event = "killing_app", grace = %humantime::format_duration(grace), "app processes outlived the grace period; sending SIGKILL");
         }
         loop {
             self.signal_tree(Signal::SIGKILL);

@@ -28,7 +28,7 @@ use nix::sys::signal::{killpg, signal, SigHandler, Signal};
 use nix::time::{clock_gettime, ClockId};
 use nix::unistd::{pipe2, Pid};
 use tokio::time::Instant;
-use tracing::{error, info, warn};
+use tracing::{error, info, info_span, warn};
 
 /// The fd on which the watchdog reads deadlines.
 const DEADLINE_FD: i32 = 3;
@@ -61,8 +61,15 @@ fn as_monotonic_ns(at: Instant) -> u64 {
 }
 
 impl Watchdog {
-    /// Starts the watchdog for the app's group, with no deadline yet.
-    pub fn spawn(app_group: Pid, stop_signal: Signal, grace: Duration) -> io::Result<Watchdog> {
+    /// Starts the watchdog for the app's group, with no deadline yet. `context` names the lock
+    /// (`SENTINEL_GUARD_NAME`, `_BACKEND`, `_HOLDER_ID`) so the watchdog's log lines say whose app
+    /// it acts on.
+    pub fn spawn(
+        app_group: Pid,
+        stop_signal: Signal,
+        grace: Duration,
+        context: &[(&str, String)],
+    ) -> io::Result<Watchdog> {
         // Close-on-exec, so the app never inherits an end: a stray write end would keep the pipe
         // open after the guard died.
         let (read_end, write_end) = pipe2(OFlag::O_CLOEXEC)?;
@@ -71,6 +78,8 @@ impl Watchdog {
             .arg(app_group.as_raw().to_string())
             .arg(stop_signal.as_str())
             .arg(grace.as_nanos().to_string())
+            .envs(context.iter().map(|(k, v)| (k, v)))
+            .env(crate::logging::FORMAT_VAR, crate::logging::format_name())
             .stdin(Stdio::null())
             .stdout(Stdio::null());
         let source = read_end.as_raw_fd();
@@ -114,7 +123,7 @@ impl Watchdog {
 
     fn send(&mut self, deadline: u64) {
         if let Err(e) = self.pipe.write_all(&deadline.to_le_bytes()) {
-            error!(error = %e, "cannot reach the watchdog");
+            error!(event = "watchdog_unreachable", error = %e, "cannot reach the watchdog");
         }
     }
 }
@@ -143,6 +152,15 @@ pub fn main(args: &[String]) -> ExitCode {
     }
     // SAFETY: fd 3 was handed over by the guard and is owned by this process alone.
     let pipe = File::from(unsafe { OwnedFd::from_raw_fd(DEADLINE_FD) });
+    let context = |key| std::env::var(key).unwrap_or_default();
+    let _span = info_span!(
+        "watchdog",
+        name = context("SENTINEL_GUARD_NAME"),
+        backend = context("SENTINEL_GUARD_BACKEND"),
+        holder_id = context("SENTINEL_GUARD_HOLDER_ID"),
+        app_pid = group.as_raw(),
+    )
+    .entered();
     watch(pipe, group, stop_signal, grace);
     ExitCode::SUCCESS
 }
@@ -181,7 +199,7 @@ fn watch(mut pipe: File, group: Pid, stop_signal: Signal, grace_ns: u64) {
 fn guard_gone(group: Pid) {
     if killpg(group, Signal::SIGKILL).is_ok() {
         warn!(
-            app_group = group.as_raw(),
+            event = "watchdog_killed_orphans",
             "guard gone; watchdog killed what was left of the app's process group"
         );
     }
@@ -189,7 +207,8 @@ fn guard_gone(group: Pid) {
 
 fn stop_group(group: Pid, stop_signal: Signal, dead_by: u64) {
     error!(
-        app_group = group.as_raw(),
+        event = "watchdog_stopping_app",
+        reason = crate::metrics::GUARD_FROZEN,
         "guard unresponsive while its lock runs out; watchdog stopping the app"
     );
     let _ = killpg(group, stop_signal);
@@ -202,7 +221,7 @@ fn stop_group(group: Pid, stop_signal: Signal, dead_by: u64) {
     }
     if killpg(group, Signal::SIGKILL).is_ok() {
         info!(
-            app_group = group.as_raw(),
+            event = "watchdog_killed_app",
             "watchdog sent SIGKILL at the lock's deadline"
         );
     }

@@ -2,6 +2,8 @@
 //! observable traces, and waiting on conditions with deadlines.
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod endpoints;
+pub mod etcd;
 pub mod mariadb;
 pub mod proxy;
 pub mod redis;

@@ -1,0 +1,111 @@
+//! Log output on stderr: tracing's text format, or one JSON object per line whose top level always
+//! carries the same keys, so a log pipeline can index them without knowing each event.
+
+use std::fmt;
+use std::io::IsTerminal;
+use std::sync::OnceLock;
+use std::time::SystemTime;
+
+use serde_json::{Map, Value};
+use tracing::{Event, Subscriber};
+use tracing_subscriber::field::VisitOutput;
+use tracing_subscriber::fmt::format::{JsonFields, JsonVisitor, Writer};
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, FormattedFields};
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::EnvFilter;
+
+use crate::cli::LogFormat;
+
+/// Present on every JSON line, `null` where an event has no value for them. `name`, `backend` and
+/// `holder_id` come from the guard's span, `app_pid` once the app runs, `event` and `reason` from
+/// the event itself.
+const ALWAYS_PRESENT: [&str; 6] = ["name", "backend", "holder_id", "event", "reason", "app_pid"];
+
+/// How the guard tells its watchdog process which format to log in.
+pub const FORMAT_VAR: &str = "SENTINEL_GUARD_LOG_FORMAT";
+
+static FORMAT: OnceLock<LogFormat> = OnceLock::new();
+
+/// The format this process logs in, as `--log-format` spells it.
+pub fn format_name() -> &'static str {
+    match FORMAT.get() {
+        Some(LogFormat::Json) => "json",
+        _ => "text",
+    }
+}
+
+/// The format the guard passed down to this helper process.
+pub fn inherited_format() -> LogFormat {
+    match std::env::var(FORMAT_VAR).as_deref() {
+        Ok("json") => LogFormat::Json,
+        _ => LogFormat::Text,
+    }
+}
+
+pub fn init(format: LogFormat) {
+    let _ = FORMAT.set(format);
+    let filter =
+        EnvFilter::try_from_env("SENTINEL_GUARD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => builder
+            .with_ansi(false)
+            .fmt_fields(JsonFields::new())
+            .event_format(JsonLines)
+            .init(),
+    }
+}
+
+struct JsonLines;
+
+impl<S, N> FormatEvent<S, N> for JsonLines
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> fmt::Result {
+        let mut line = Map::new();
+        line.insert(
+            "timestamp".into(),
+            humantime::format_rfc3339_millis(SystemTime::now())
+                .to_string()
+                .into(),
+        );
+        line.insert(
+            "level".into(),
+            event.metadata().level().as_str().to_lowercase().into(),
+        );
+        for key in ALWAYS_PRESENT {
+            line.insert(key.into(), Value::Null);
+        }
+        // Span fields are kept as JSON text by `JsonFields`; inner spans override outer ones.
+        if let Some(scope) = ctx.event_scope() {
+            for span in scope.from_root() {
+                if let Some(fields) = span.extensions().get::<FormattedFields<N>>() {
+                    line.extend(parse_object(fields.as_str()));
+                }
+            }
+        }
+        let mut own = String::new();
+        let mut visitor = JsonVisitor::new(&mut own);
+        event.record(&mut visitor);
+        visitor.finish()?;
+        line.extend(parse_object(&own));
+        writeln!(writer, "{}", Value::Object(line))
+    }
+}
+
+fn parse_object(text: &str) -> Map<String, Value> {
+    match serde_json::from_str(text) {
+        Ok(Value::Object(map)) => map,
+        _ => Map::new(),
+    }
+}
