@@ -375,7 +375,8 @@ fn etcd_takeover(report: &mut Report, servers: &Servers, settings: &Settings) {
         // Each in its own process group, so the app it leaves behind can be cleaned up after.
         let lock = |dir: &Path| {
             let mut cmd = etcd.ctl();
-            cmd.args(["lock", "--ttl", "3", &name])
+            // `--` keeps etcdctl from parsing the app's `-c` as its own flag.
+            cmd.args(["lock", "--ttl", "3", &name, "--"])
                 .args(timing_app(dir, None))
                 .process_group(0)
                 .stdin(Stdio::null())

@@ -258,6 +258,28 @@ pub enum Target {
 pub struct MysqlTarget {
     pub opts: mysql_async::Opts,
     pub url: RedactedUrl,
+    /// The URL as given, credentials included, for the guard's watchdog process only.
+    pub secret: SecretUrl,
+}
+
+/// A URL with its credentials, which no `Debug` or `Display` ever prints.
+#[derive(Clone)]
+pub struct SecretUrl(String);
+
+impl SecretUrl {
+    pub fn new(raw: String) -> SecretUrl {
+        SecretUrl(raw)
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for SecretUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("SecretUrl(<redacted>)")
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -324,7 +346,11 @@ impl Target {
                 let url = RedactedUrl::of(&url);
                 let opts = mysql_async::Opts::from_url(raw)
                     .map_err(|e| invalid(format!("--url {url}: {}", url.scrub(e))))?;
-                Ok(Target::Mysql(MysqlTarget { opts, url }))
+                Ok(Target::Mysql(MysqlTarget {
+                    opts,
+                    url,
+                    secret: SecretUrl::new(raw.to_owned()),
+                }))
             }
             "redis" | "rediss" => {
                 let url = RedactedUrl::of(&url);

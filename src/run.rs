@@ -201,8 +201,8 @@ impl Guard<'_> {
             &config.command,
             &env,
             config.forward_to,
-            config.stop_signal,
-            config.timings.grace_period,
+            (config.stop_signal, config.timings.grace_period),
+            held.as_ref().and_then(HeldLock::orphan_session),
         ) {
             Ok(app) => app,
             Err(e) => {

@@ -85,6 +85,51 @@ fn sigkill_of_the_guard_kills_the_app_and_frees_the_lock() {
     );
 }
 
+/// The server would notice the dead guard's session only when its 30s check `SLEEP` ends; the
+/// watchdog ends the session once the app's group is gone, so a standby takes over at once.
+#[test]
+fn a_sigkilled_guards_lock_is_free_at_once_whatever_the_check_interval() {
+    let db = MariaDb::start();
+    let mut lab = Lab::new();
+    let url = db.url();
+    let trace = lab.path("trace");
+    let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
+    let mut leader = lab.spawn(
+        &args(&url, "orphaned", &["--check-interval", "30s"]),
+        &as_strs(&recording_app(&trace, &lead_pid)),
+    );
+    let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
+    let mut standby = lab.spawn(
+        &args(&url, "orphaned", &["--wait"]),
+        &as_strs(&recording_app(&trace, &standby_pid)),
+    );
+    assert!(wait_until(Duration::from_secs(5), || standby
+        .log_text()
+        .contains("waiting")));
+
+    leader.signal(SIGKILL);
+    leader.wait(Duration::from_secs(5));
+    read_pid(&standby_pid, Duration::from_secs(5));
+    // SIGKILLed with its guard, so it leaves no stop line to compare; it must simply be gone.
+    assert!(!alive(lead_app), "the leader's app outlived its guard");
+    assert!(
+        wait_until(Duration::from_secs(5), || leader
+            .log_text()
+            .contains("watchdog_ended_session")),
+        "{}",
+        leader.log_text()
+    );
+
+    // A guard that exits on its own leaves its session to itself.
+    standby.signal(15);
+    assert_eq!(standby.code(Duration::from_secs(10)), 0);
+    assert!(
+        !standby.log_text().contains("event=\"watchdog"),
+        "{}",
+        standby.log_text()
+    );
+}
+
 /// Detection must not depend on --check-interval: with a 30s interval the app is still asked to stop
 /// within 5s (typically tens of milliseconds; the bound leaves room for a heavily loaded machine).
 fn assert_fault_stops_app_fast(db: &mut MariaDb, name: &str, fault: impl FnOnce(&mut MariaDb)) {

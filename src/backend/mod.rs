@@ -5,6 +5,8 @@
 
 mod file;
 mod mysql;
+
+pub use mysql::OrphanSession;
 mod redis;
 mod watched;
 
@@ -295,6 +297,15 @@ impl HeldLock {
             HeldLock::Mysql(lock) => Some(lock.app_deadline()),
             HeldLock::Redis(lock) => Some(lock.app_deadline()),
             HeldLock::File(_) => None,
+        }
+    }
+
+    /// The server session the watchdog ends if the guard dies holding the lock; only MySQL keeps a
+    /// dead client's lock for a while (Redis leases and file locks need nothing).
+    pub fn orphan_session(&self) -> Option<&OrphanSession> {
+        match self {
+            HeldLock::Mysql(lock) => Some(lock.orphan_session()),
+            HeldLock::Redis(_) | HeldLock::File(_) => None,
         }
     }
 

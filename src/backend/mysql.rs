@@ -19,7 +19,7 @@ use super::{
     Acquisition, Backoff, Contention, HeldLock, HolderInfo, LockError, LockLoss, LockRequest,
     LossReason, Patience,
 };
-use crate::config::{LockName, MysqlTarget, Timings};
+use crate::config::{LockName, MysqlTarget, SecretUrl, Target, Timings};
 use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
 
@@ -294,10 +294,62 @@ async fn describe_connection(conn: &mut Conn, id: u64, limit: Duration) -> Holde
 
 /// A held `GET_LOCK`. A task owns the connection and keeps proving ownership until it is told to
 /// release or finds the lock gone.
-pub struct MysqlLock(WatchedLock);
+pub struct MysqlLock {
+    watched: WatchedLock,
+    session: OrphanSession,
+}
+
+/// What the guard's watchdog needs to end the lock's session should the guard die holding it. The
+/// server notices a dead client only when the outstanding check's `SLEEP` ends, up to
+/// `--check-interval` later; ending the session frees the lock at once, so a standby takes over in
+/// milliseconds. The watchdog does it only after the app's process group is gone.
+pub struct OrphanSession {
+    pub url: SecretUrl,
+    pub connection_id: u32,
+    pub timeout: Duration,
+}
+
+/// MariaDB's "Unknown thread id": the session had already ended.
+const ER_NO_SUCH_THREAD: u16 = 1094;
+
+impl OrphanSession {
+    /// `KILL CONNECTION` from a new session, on a runtime of its own (the watchdog has none).
+    pub fn end(&self) -> Result<(), String> {
+        let target = match Target::parse(self.url.expose(), "") {
+            Ok(Target::Mysql(target)) => target,
+            _ => return Err("not a mysql:// URL".to_owned()),
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        runtime.block_on(async {
+            let mut conn = connect(&target, self.timeout)
+                .await
+                .map_err(|e| e.to_string())?;
+            let kill = format!("KILL CONNECTION {}", self.connection_id);
+            let result = match timeout(self.timeout, conn.query_drop(kill)).await {
+                Err(_) => Err(format!(
+                    "no answer within {}",
+                    humantime::format_duration(self.timeout)
+                )),
+                Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_NO_SUCH_THREAD => Ok(()),
+                Ok(Err(e)) => Err(target.url.scrub(e)),
+                Ok(Ok(())) => Ok(()),
+            };
+            let _ = timeout(self.timeout, conn.disconnect()).await;
+            result
+        })
+    }
+}
 
 impl MysqlLock {
     fn watch(conn: Conn, target: &MysqlTarget, request: &LockRequest<'_>) -> MysqlLock {
+        let session = OrphanSession {
+            url: target.secret.clone(),
+            connection_id: conn.id(),
+            timeout: request.timings.connect_timeout,
+        };
         let watcher = Watcher {
             conn_id: conn.id(),
             target: target.clone(),
@@ -309,19 +361,26 @@ impl MysqlLock {
             checks: request.metrics.checks(),
         };
         let dead_by = Instant::now() + watcher.budget + watcher.grace;
-        MysqlLock(WatchedLock::spawn(dead_by, |ends| watcher.run(conn, ends)))
+        MysqlLock {
+            watched: WatchedLock::spawn(dead_by, |ends| watcher.run(conn, ends)),
+            session,
+        }
+    }
+
+    pub fn orphan_session(&self) -> &OrphanSession {
+        &self.session
     }
 
     pub async fn lost(&mut self) -> LockLoss {
-        self.0.lost().await
+        self.watched.lost().await
     }
 
     pub async fn release(self) -> Result<(), LockError> {
-        self.0.release().await
+        self.watched.release().await
     }
 
     pub fn app_deadline(&self) -> tokio::sync::watch::Receiver<Instant> {
-        self.0.app_deadline()
+        self.watched.app_deadline()
     }
 }
 
@@ -396,8 +455,10 @@ impl Watcher {
             }
             match (check, releasing) {
                 (Check::Owned, false) => continue,
-                (Check::Owned, true) => return self.release(conn).await,
-                (Check::Lost(loss), _) => {
+                // Interrupting the check can fail it (the KILL QUERY may land on the check itself
+                // rather than its SLEEP); release all the same, which logs how the session ended.
+                (_, true) => return self.release(conn).await,
+                (Check::Lost(loss), false) => {
                     ends.report(loss);
                     // A connection that timed out or failed is never reused; dropping it closes it.
                     return Ok(());

@@ -14,6 +14,7 @@ use nix::unistd::{getpid, Pid};
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
+use crate::backend::OrphanSession;
 use crate::cli::ForwardTo;
 pub use reaper::AppStatus;
 pub use signals::{ends_wait, is_shutdown, signal_name, SignalEvents};
@@ -40,18 +41,18 @@ pub struct Supervisor {
 
 impl Supervisor {
     /// Spawns the app, then its watchdog; `stop_signal` and `grace` are what the watchdog uses if it
-    /// ever has to stop the app itself.
+    /// ever has to stop the app itself, `session` what it ends if the guard dies holding the lock.
     pub fn start(
         command: &[std::ffi::OsString],
         env: &AppEnv<'_>,
         forward_to: ForwardTo,
-        stop_signal: Signal,
-        grace: Duration,
+        stop: (Signal, Duration),
+        session: Option<&OrphanSession>,
     ) -> Result<Supervisor, StartError> {
         let mut reaper = reaper::Reaper::register().map_err(StartError::Setup)?;
         let app = spawn::spawn(command, env).map_err(StartError::Spawn)?;
         reaper.track(app);
-        let watchdog = match watchdog::Watchdog::spawn(app, stop_signal, grace, &env.set) {
+        let watchdog = match watchdog::Watchdog::spawn(app, stop, &env.set, session) {
             Ok(watchdog) => watchdog,
             Err(e) => {
                 // Without its dead man's switch the app must not run.
@@ -164,6 +165,14 @@ impl Supervisor {
 
     pub fn app_status(&self) -> Option<AppStatus> {
         self.reaper.main_status()
+    }
+}
+
+impl Drop for Supervisor {
+    /// Every way out of supervision stops the app first; from here the guard exits on its own, and
+    /// its watchdog must not take the pipe's end for a death.
+    fn drop(&mut self) {
+        self.watchdog.stand_down();
     }
 }
 

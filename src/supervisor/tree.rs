@@ -37,6 +37,18 @@ fn read_entry(pid: i32) -> Option<Entry> {
     })
 }
 
+/// How many live (not zombie) processes are in the process group `pgid`.
+pub fn live_group_members(pgid: Pid) -> usize {
+    let Ok(dir) = fs::read_dir("/proc") else {
+        return 0;
+    };
+    dir.flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse().ok())
+        .filter_map(read_entry)
+        .filter(|entry| entry.pgid == pgid.as_raw() && !entry.zombie)
+        .count()
+}
+
 /// Every live (not yet dead) process below `root`.
 pub fn live_descendants(root: Pid) -> Vec<Descendant> {
     let Ok(dir) = fs::read_dir("/proc") else {

@@ -10,8 +10,14 @@
 //!   heard; if that moment passes, the watchdog stops the app's group on its own: the stop signal,
 //!   then SIGKILL at the deadline.
 //!
-//! The watchdog is the guard's own binary run as `sentinel-guard __watchdog`, reading 8-byte
-//! CLOCK_MONOTONIC deadlines from fd 3 (`u64::MAX`: none). Only the pipe ends it.
+//! - **The guard dies holding a MySQL lock**: once the app's group is gone, the watchdog ends the
+//!   guard's server session with `KILL CONNECTION`, so the lock is free at once instead of when the
+//!   server next looks at the dead client (after the outstanding check's `SLEEP`).
+//!
+//! The watchdog is the guard's own binary run as `sentinel-guard __watchdog`. On fd 3 it reads the
+//! session to end (a length-prefixed URL, 0 for none, then the connection id and a timeout in ms),
+//! then 8-byte CLOCK_MONOTONIC deadlines (`u64::MAX`: none; `STAND_DOWN`: the guard is done with
+//! the app and exits normally). Only the pipe ends it.
 
 use std::fs::File;
 use std::io::{self, Read, Write};
@@ -30,10 +36,17 @@ use nix::unistd::{pipe2, Pid};
 use tokio::time::Instant;
 use tracing::{error, info, info_span, warn};
 
+use crate::backend::OrphanSession;
+use crate::config::SecretUrl;
+
 /// The fd on which the watchdog reads deadlines.
 const DEADLINE_FD: i32 = 3;
 /// No deadline: the lock cannot run out under a frozen guard (a file lock, or no lock at all).
 const NO_DEADLINE: u64 = u64::MAX;
+/// The guard has stopped the app and is exiting on its own: the pipe's end is not a death.
+const STAND_DOWN: u64 = u64::MAX - 1;
+/// How long the watchdog waits for a killed app group to be gone before it frees the lock early.
+const GROUP_GONE_WAIT: Duration = Duration::from_secs(2);
 /// The watchdog starts stopping the app this long after the guard would have: a healthy guard acts
 /// first and disarms it, so the two never signal the app together.
 const SLACK: Duration = Duration::from_millis(200);
@@ -66,9 +79,9 @@ impl Watchdog {
     /// it acts on.
     pub fn spawn(
         app_group: Pid,
-        stop_signal: Signal,
-        grace: Duration,
+        (stop_signal, grace): (Signal, Duration),
         context: &[(&str, String)],
+        session: Option<&OrphanSession>,
     ) -> io::Result<Watchdog> {
         // Close-on-exec, so the app never inherits an end: a stray write end would keep the pipe
         // open after the guard died.
@@ -100,8 +113,11 @@ impl Watchdog {
         }
         let child = cmd.spawn()?;
         drop(read_end);
+        let mut pipe = File::from(write_end);
+        // Written before any deadline; far below the pipe's capacity, so it never blocks.
+        pipe.write_all(&encode_session(session))?;
         Ok(Watchdog {
-            pipe: File::from(write_end),
+            pipe,
             pid: Pid::from_raw(child.id() as i32),
         })
     }
@@ -121,11 +137,51 @@ impl Watchdog {
         self.send(NO_DEADLINE);
     }
 
+    /// The app is stopped and the guard exits on its own: no session to end when the pipe closes.
+    pub fn stand_down(&mut self) {
+        self.send(STAND_DOWN);
+    }
+
     fn send(&mut self, deadline: u64) {
         if let Err(e) = self.pipe.write_all(&deadline.to_le_bytes()) {
             error!(event = "watchdog_unreachable", error = %e, "cannot reach the watchdog");
         }
     }
+}
+
+fn encode_session(session: Option<&OrphanSession>) -> Vec<u8> {
+    let Some(session) = session else {
+        return 0u32.to_le_bytes().to_vec();
+    };
+    let url = session.url.expose().as_bytes();
+    let mut bytes = Vec::with_capacity(url.len() + 12);
+    bytes.extend_from_slice(&(url.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(url);
+    bytes.extend_from_slice(&session.connection_id.to_le_bytes());
+    let timeout_ms = u32::try_from(session.timeout.as_millis()).unwrap_or(u32::MAX);
+    bytes.extend_from_slice(&timeout_ms.to_le_bytes());
+    bytes
+}
+
+fn read_u32(pipe: &mut File) -> io::Result<u32> {
+    let mut buf = [0u8; 4];
+    pipe.read_exact(&mut buf)?;
+    Ok(u32::from_le_bytes(buf))
+}
+
+fn decode_session(pipe: &mut File) -> io::Result<Option<OrphanSession>> {
+    let len = read_u32(pipe)? as usize;
+    if len == 0 {
+        return Ok(None);
+    }
+    let mut url = vec![0u8; len];
+    pipe.read_exact(&mut url)?;
+    let url = String::from_utf8(url).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    Ok(Some(OrphanSession {
+        url: SecretUrl::new(url),
+        connection_id: read_u32(pipe)?,
+        timeout: Duration::from_millis(u64::from(read_u32(pipe)?)),
+    }))
 }
 
 /// `sentinel-guard __watchdog <app-group> <stop-signal> <grace-ns>`.
@@ -151,7 +207,7 @@ pub fn main(args: &[String]) -> ExitCode {
         let _ = unsafe { signal(ignored, SigHandler::SigIgn) };
     }
     // SAFETY: fd 3 was handed over by the guard and is owned by this process alone.
-    let pipe = File::from(unsafe { OwnedFd::from_raw_fd(DEADLINE_FD) });
+    let mut pipe = File::from(unsafe { OwnedFd::from_raw_fd(DEADLINE_FD) });
     let context = |key| std::env::var(key).unwrap_or_default();
     let _span = info_span!(
         "watchdog",
@@ -161,15 +217,25 @@ pub fn main(args: &[String]) -> ExitCode {
         app_pid = group.as_raw(),
     )
     .entered();
-    watch(pipe, group, stop_signal, grace);
+    match decode_session(&mut pipe) {
+        Ok(session) => watch(pipe, group, stop_signal, grace, session),
+        // The guard died before it finished the hand-over.
+        Err(_) => guard_gone(group, None),
+    }
     ExitCode::SUCCESS
 }
 
-fn watch(mut pipe: File, group: Pid, stop_signal: Signal, grace_ns: u64) {
+fn watch(
+    mut pipe: File,
+    group: Pid,
+    stop_signal: Signal,
+    grace_ns: u64,
+    mut session: Option<OrphanSession>,
+) {
     let mut dead_by = NO_DEADLINE;
     let mut buf = [0u8; 8];
     loop {
-        let timeout = if dead_by == NO_DEADLINE {
+        let timeout = if dead_by >= STAND_DOWN {
             PollTimeout::NONE
         } else {
             let stop_at = dead_by
@@ -190,18 +256,48 @@ fn watch(mut pipe: File, group: Pid, stop_signal: Signal, grace_ns: u64) {
         }
         match pipe.read_exact(&mut buf) {
             Ok(()) => dead_by = u64::from_le_bytes(buf),
-            Err(_) => return guard_gone(group),
+            Err(_) => return guard_gone(group, session.as_ref()),
+        }
+        if dead_by == STAND_DOWN {
+            session = None;
         }
     }
 }
 
-/// The guard has exited; if it died without tearing the app down, nothing else will.
-fn guard_gone(group: Pid) {
+/// The guard has exited; if it died without tearing the app down, nothing else will. If it died
+/// holding a MySQL lock, its session is ended once nothing of the app is left.
+fn guard_gone(group: Pid, session: Option<&OrphanSession>) {
     if killpg(group, Signal::SIGKILL).is_ok() {
         warn!(
             event = "watchdog_killed_orphans",
             "guard gone; watchdog killed what was left of the app's process group"
         );
+    }
+    let Some(session) = session else { return };
+    let deadline = std::time::Instant::now() + GROUP_GONE_WAIT;
+    while super::tree::live_group_members(group) > 0 {
+        if std::time::Instant::now() >= deadline {
+            warn!(
+                event = "watchdog_left_session",
+                connection_id = session.connection_id,
+                "app processes outlived SIGKILL; the server frees the lock when it notices the dead session"
+            );
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    match session.end() {
+        Ok(()) => info!(
+            event = "watchdog_ended_session",
+            connection_id = session.connection_id,
+            "guard died holding the lock; watchdog ended its session so the lock is free at once"
+        ),
+        Err(e) => warn!(
+            event = "watchdog_left_session",
+            connection_id = session.connection_id,
+            error = %e,
+            "cannot end the dead guard's session; the server frees the lock when it notices"
+        ),
     }
 }
 
