@@ -10,7 +10,6 @@
 mod common;
 
 use std::fs;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -281,13 +280,40 @@ fn detection(report: &mut Report, servers: &mut Servers, settings: &Settings) {
 
 /// From the leader's app exiting (clean release) or the leader guard's SIGKILL, to a `--wait`
 /// standby's app starting.
-/// Whether a process whose command line names `dir` (an app of `timing_app(dir, ..)`) is alive.
-fn app_alive_in(dir: &Path) -> bool {
-    let dir = dir.to_string_lossy().into_owned();
+/// Pids of the processes whose `/proc/<pid>/<file>` satisfies `matches`.
+fn pids_where(file: &str, matches: impl Fn(&str) -> bool) -> Vec<i32> {
     fs::read_dir("/proc")
         .unwrap()
-        .filter_map(|entry| fs::read(entry.ok()?.path().join("cmdline")).ok())
-        .any(|cmdline| String::from_utf8_lossy(&cmdline).contains(&dir))
+        .filter_map(|entry| {
+            let entry = entry.ok()?;
+            let pid = entry.file_name().to_str()?.parse().ok()?;
+            let text = fs::read(entry.path().join(file)).ok()?;
+            matches(&String::from_utf8_lossy(&text)).then_some(pid)
+        })
+        .collect()
+}
+
+/// The processes of an app of `timing_app(dir, ..)`: their command lines name `dir`.
+fn apps_in(dir: &Path) -> Vec<i32> {
+    let dir = dir.to_string_lossy().into_owned();
+    pids_where("cmdline", |cmdline| cmdline.contains(&dir))
+}
+
+/// SIGKILLs what the tools under comparison leave behind: `etcdctl lock` ignores SIGTERM, puts its
+/// command in a process group of its own, and leaves it running when it is killed itself.
+fn kill_all(pids: Vec<i32>) {
+    for pid in pids {
+        send(pid, 9);
+    }
+}
+
+/// The direct children of `parent`, from the ppid in `/proc/<pid>/stat`.
+fn children_of(parent: u32) -> Vec<i32> {
+    pids_where("stat", |stat| {
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            == Some(&parent.to_string())
+    })
 }
 
 fn orphan_row(report: &mut Report, backend: &str, orphaned: usize, rounds: usize) {
@@ -331,7 +357,7 @@ fn takeover(report: &mut Report, servers: &Servers, settings: &Settings) {
                 if let (Some(from), Some(started)) = (from, started) {
                     stats.push_ms(started.saturating_sub(from));
                 }
-                orphaned += usize::from(app_alive_in(lead.dir.path()));
+                orphaned += usize::from(!apps_in(lead.dir.path()).is_empty());
                 let _ = leader.wait();
                 send(standby_guard.id() as i32, 15);
                 let _ = standby_guard.wait();
@@ -372,13 +398,11 @@ fn etcd_takeover(report: &mut Report, servers: &Servers, settings: &Settings) {
     for round in 0..settings.rounds {
         let (lead, standby) = (Lab::new(), Lab::new());
         let name = format!("takeover-etcd-{round}");
-        // Each in its own process group, so the app it leaves behind can be cleaned up after.
         let lock = |dir: &Path| {
             let mut cmd = etcd.ctl();
             // `--` keeps etcdctl from parsing the app's `-c` as its own flag.
             cmd.args(["lock", "--ttl", "3", &name, "--"])
                 .args(timing_app(dir, None))
-                .process_group(0)
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null());
@@ -394,9 +418,10 @@ fn etcd_takeover(report: &mut Report, servers: &Servers, settings: &Settings) {
         if let Some(started) = stamp(standby.dir.path(), "started", Duration::from_secs(15)) {
             stats.push_ms(started.saturating_sub(at));
         }
-        orphaned += usize::from(app_alive_in(lead.dir.path()));
-        send(-(leader.id() as i32), 9);
-        send(-(waiting.id() as i32), 15);
+        orphaned += usize::from(!apps_in(lead.dir.path()).is_empty());
+        kill_all(apps_in(lead.dir.path()));
+        // The standby's etcdctl exits once its command is gone.
+        kill_all(apps_in(standby.dir.path()));
         let _ = waiting.wait();
     }
     report.latency(scenario, "etcd (`etcdctl lock --ttl 3`)", &stats, "");
@@ -548,8 +573,7 @@ fn footprint_and_idle(report: &mut Report, servers: &Servers, settings: &Setting
 }
 
 /// VmHWM of the process `cmd` starts, once it has run for a second (with `--metrics-addr`, after a
-/// scrape, so serving counts too). Stopped through its process group: `etcdctl lock` ignores SIGTERM
-/// and waits for its command.
+/// scrape, so serving counts too).
 fn peak_rss_row(
     report: &mut Report,
     scenario: &str,
@@ -558,7 +582,6 @@ fn peak_rss_row(
     target: &str,
 ) {
     let mut child = cmd
-        .process_group(0)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -574,7 +597,8 @@ fn peak_rss_row(
         common::endpoints::Metrics::scrape(port).expect("metrics answer");
     }
     let hwm = vm_hwm_kb(child.id());
-    send(-(child.id() as i32), 15);
+    kill_all(children_of(child.id()));
+    send(child.id() as i32, 15);
     let _ = child.wait();
     report.row(
         scenario,
