@@ -562,10 +562,15 @@ impl Lease {
         let target = &self.target;
         let slot = &mut self.conn;
         let result = timeout(limit, async {
-            let conn = match slot {
-                Some(conn) => conn,
-                None => slot.insert(connect(target, limit).await?),
-            };
+            if let Some(conn) = slot.as_mut() {
+                match invocation.invoke_async::<i64>(conn).await {
+                    // Broken since its last use (a server restart, say): one more try on a fresh
+                    // connection, within the same bound. Every script here is safe to run twice.
+                    Err(e) if e.is_connection_dropped() || e.is_io_error() => *slot = None,
+                    answered => return answered,
+                }
+            }
+            let conn = slot.insert(connect(target, limit).await?);
             invocation.invoke_async::<i64>(conn).await
         })
         .await;
