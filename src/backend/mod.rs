@@ -5,10 +5,10 @@
 
 mod file;
 mod mysql;
-
-pub use mysql::OrphanSession;
 mod redis;
 mod watched;
+
+pub use mysql::OrphanSession;
 
 use std::fmt;
 use std::time::Duration;
