@@ -37,33 +37,28 @@ fn read_entry(pid: i32) -> Option<Entry> {
     })
 }
 
-/// How many live (not zombie) processes are in the process group `pgid`.
-pub fn live_group_members(pgid: Pid) -> usize {
-    let Ok(dir) = fs::read_dir("/proc") else {
-        return 0;
-    };
-    dir.flatten()
+/// Every process on the host, as far as /proc can be read.
+fn all_processes() -> impl Iterator<Item = Entry> {
+    fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
         .filter_map(|entry| entry.file_name().to_str()?.parse().ok())
         .filter_map(read_entry)
+}
+
+/// How many live (not zombie) processes are in the process group `pgid`.
+pub fn live_group_members(pgid: Pid) -> usize {
+    all_processes()
         .filter(|entry| entry.pgid == pgid.as_raw() && !entry.zombie)
         .count()
 }
 
 /// Every live (not yet dead) process below `root`.
 pub fn live_descendants(root: Pid) -> Vec<Descendant> {
-    let Ok(dir) = fs::read_dir("/proc") else {
-        return Vec::new();
-    };
     let mut children: HashMap<i32, Vec<Entry>> = HashMap::new();
-    for entry in dir.flatten() {
-        if let Some(entry) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse().ok())
-            .and_then(read_entry)
-        {
-            children.entry(entry.ppid).or_default().push(entry);
-        }
+    for entry in all_processes() {
+        children.entry(entry.ppid).or_default().push(entry);
     }
     let mut found = Vec::new();
     let mut frontier = vec![root.as_raw()];
