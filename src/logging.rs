@@ -8,6 +8,7 @@ use std::time::SystemTime;
 
 use serde_json::{Map, Value};
 use tracing::{Event, Subscriber};
+use tracing_appender::non_blocking::{NonBlockingBuilder, WorkerGuard};
 use tracing_subscriber::field::VisitOutput;
 use tracing_subscriber::fmt::format::{JsonFields, JsonVisitor, Writer};
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, FormattedFields};
@@ -42,13 +43,26 @@ pub fn inherited_format() -> LogFormat {
     }
 }
 
-pub fn init(format: LogFormat) {
+/// Lines a full stderr may hold back before new ones are dropped.
+const BUFFERED_LINES: usize = 1024;
+
+/// Sets up logging; the returned guard flushes what is buffered when dropped (waiting a bounded time
+/// for a stderr nobody reads).
+///
+/// Lines go through a buffer and a writer thread, and are dropped when that buffer is full: a log
+/// driver that stops reading stderr must never hold up the guard, whose next step may be a kill.
+pub fn init(format: LogFormat) -> WorkerGuard {
     let _ = FORMAT.set(format);
     let filter =
         EnvFilter::try_from_env("SENTINEL_GUARD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let (writer, flush) = NonBlockingBuilder::default()
+        .lossy(true)
+        .buffered_lines_limit(BUFFERED_LINES)
+        .thread_name("sentinel-guard-log")
+        .finish(std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(writer);
     match format {
         LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
         LogFormat::Json => builder
@@ -57,6 +71,7 @@ pub fn init(format: LogFormat) {
             .event_format(JsonLines)
             .init(),
     }
+    flush
 }
 
 struct JsonLines;

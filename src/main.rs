@@ -4,6 +4,7 @@
 mod backend;
 mod cli;
 mod config;
+mod deadline;
 mod endpoints;
 mod holder;
 mod logging;
@@ -12,6 +13,7 @@ mod outcome;
 mod run;
 mod status;
 mod supervisor;
+mod vocab;
 
 use std::process::ExitCode;
 
@@ -29,12 +31,12 @@ fn main() -> ExitCode {
         .nth(1)
         .is_some_and(|arg| arg == "__watchdog")
     {
-        logging::init(logging::inherited_format());
+        let _flush = logging::init(logging::inherited_format());
         let args: Vec<String> = std::env::args_os()
             .skip(2)
             .map(|a| a.to_string_lossy().into_owned())
             .collect();
-        return supervisor::watchdog::main(&args);
+        return supervisor::watchdog::main(&args, backend::say_farewell);
     }
     let cli = Cli::parse();
     let guard_switch =
@@ -48,7 +50,7 @@ fn main() -> ExitCode {
     };
     match invocation {
         Invocation::Guard(config) => {
-            logging::init(config.log_format);
+            let _flush = logging::init(config.log_format);
             // Bound first: a taken address is a mistake in the invocation, reported before any lock.
             let endpoints = match config.metrics_addr.map(Endpoints::bind).transpose() {
                 Ok(endpoints) => endpoints,

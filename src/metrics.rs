@@ -15,10 +15,9 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
-use tokio::time::Instant;
 
-use crate::backend::LossReason;
-use crate::supervisor::AppStatus;
+use crate::deadline::Deadline;
+use crate::vocab::{AppStatus, LossReason};
 
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -66,10 +65,6 @@ impl CheckOutcome {
     }
 }
 
-/// The reason a lock counts as lost when the backend could not see it: the guard itself was frozen
-/// past its deadline and the watchdog stopped the app.
-pub const GUARD_FROZEN: &str = "guard_frozen";
-
 type Labels = Vec<(&'static str, &'static str)>;
 
 /// The checks a backend's watcher records; cheap to clone into its task.
@@ -100,7 +95,7 @@ pub struct Metrics {
     app_running: Gauge,
     app_exits_total: Family<Labels, Counter>,
     /// By when the held lock must be proven again; read at scrape time for the lease gauge and health.
-    deadline: Arc<Mutex<Option<watch::Receiver<Instant>>>>,
+    deadline: Arc<Mutex<Option<watch::Receiver<Deadline>>>>,
 }
 
 impl Metrics {
@@ -127,11 +122,7 @@ impl Metrics {
             "Attempts to take the lock, by how they ended",
             acquire_total.clone(),
         );
-        let reasons = LossReason::ALL
-            .map(LossReason::as_str)
-            .into_iter()
-            .chain([GUARD_FROZEN]);
-        let lock_lost_total = zeroed("reason", reasons);
+        let lock_lost_total = zeroed("reason", LossReason::ALL.map(LossReason::as_str));
         registry.register(
             "lock_lost",
             "Locks lost while held, by reason",
@@ -215,7 +206,7 @@ impl Metrics {
     }
 
     /// The lock is ours; `deadline` is when ownership must next be proven, if the backend has one.
-    pub fn lock_taken(&self, deadline: Option<watch::Receiver<Instant>>) {
+    pub fn lock_taken(&self, deadline: Option<watch::Receiver<Deadline>>) {
         *self.deadline.lock().expect("metrics lock") = deadline;
         self.lock_held.set(1);
     }
@@ -225,8 +216,8 @@ impl Metrics {
         self.lock_held.set(0);
     }
 
-    pub fn lock_lost(&self, reason: &'static str) {
-        inc(&self.lock_lost_total, "reason", reason);
+    pub fn lock_lost(&self, reason: LossReason) {
+        inc(&self.lock_lost_total, "reason", reason.as_str());
         self.lock_gone();
     }
 
@@ -268,7 +259,7 @@ impl Metrics {
     fn time_left(&self) -> Option<Duration> {
         let deadline = self.deadline.lock().expect("metrics lock");
         let at = *deadline.as_ref()?.borrow();
-        Some(at.saturating_duration_since(Instant::now()))
+        Some(at.remaining())
     }
 }
 

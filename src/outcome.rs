@@ -1,7 +1,7 @@
 //! How a run ended, and the one table that turns that into the guard's exit code.
 
 use crate::config::ExitCodeMap;
-use crate::supervisor::AppStatus;
+use crate::vocab::AppStatus;
 
 pub const EXIT_USAGE: u8 = 2;
 pub const EXIT_UNAVAILABLE: u8 = 69;
@@ -32,6 +32,23 @@ pub enum Outcome {
     StoppedBeforeStart,
     /// The guard itself could not set up (signal handlers, runtime).
     Internal,
+}
+
+impl std::fmt::Display for Outcome {
+    /// The words of the exit-code table in the README.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Outcome::AppExited(status) => write!(f, "app {status}"),
+            Outcome::HeldElsewhere => f.write_str("lock held elsewhere"),
+            Outcome::Unavailable => f.write_str("backend unavailable"),
+            Outcome::LockLost => f.write_str("lock lost"),
+            Outcome::MaxRuntime => f.write_str("max runtime reached"),
+            Outcome::NotFound => f.write_str("command not found"),
+            Outcome::NotExecutable => f.write_str("command not executable"),
+            Outcome::StoppedBeforeStart => f.write_str("stopped before the app started"),
+            Outcome::Internal => f.write_str("internal error"),
+        }
+    }
 }
 
 impl Outcome {

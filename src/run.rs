@@ -1,22 +1,24 @@
 //! The guard's life: take the lock, start the app, then wait for whichever comes first of the app
 //! ending, the lock being lost, a signal, or the max runtime; tear the app's tree down; release.
 
-use std::time::Duration;
-
 use nix::sys::signal::Signal;
-use tokio::time::{sleep_until, Instant};
+use tokio::sync::watch;
+use tokio::time::Instant;
 use tracing::{debug, error, info, info_span, warn, Instrument, Span};
 
-use crate::backend::{self, Acquisition, HeldLock, LockRequest, Patience};
+use crate::backend::{self, Acquisition, HeldLock, LockLoss, LockRequest, Patience};
 use crate::config::{Config, Wait};
+use crate::deadline::{self, AsyncBootTimer, Deadline};
 use crate::endpoints::Endpoints;
 use crate::holder::Holder;
-use crate::metrics::{AcquireOutcome, Metrics, GUARD_FROZEN};
+use crate::metrics::{AcquireOutcome, Metrics};
 use crate::outcome::Outcome;
+use crate::supervisor::watchdog::Farewell;
 use crate::supervisor::{
-    self, ends_wait, is_shutdown, signal_name, AppEnv, SignalEvents, SpawnError, StartError,
-    Supervisor,
+    self, ends_wait, is_shutdown, AppEnv, Event, SignalEvents, SpawnError, StartError, Supervisor,
+    TreeGone,
 };
+use crate::vocab::{signal_name, AppStatus, LossReason};
 
 /// Variables the app must never see: they may carry the backend's credentials.
 const HIDDEN_FROM_APP: &[&str] = &["SENTINEL_GUARD_URL", "SENTINEL_GUARD_URL_FILE"];
@@ -49,7 +51,7 @@ pub async fn run(config: &Config, endpoints: Option<Endpoints>) -> Outcome {
         let exit_code = outcome.exit_code(config.held_exit_code, &config.exit_code_map);
         info!(
             event = "guard_exiting",
-            ?outcome,
+            outcome = %outcome,
             exit_code,
             "guard exiting"
         );
@@ -85,6 +87,13 @@ impl Guard<'_> {
             error!(event = "setup_failed", error = %e, "cannot become child subreaper; orphans of the app could escape teardown");
             return Outcome::Internal;
         }
+        if !supervisor::proc_is_ours() {
+            error!(
+                event = "setup_failed",
+                "/proc shows another PID namespace than the guard's own, so the app's processes cannot be found by pid; mount /proc for this namespace (unshare --mount-proc)"
+            );
+            return Outcome::Internal;
+        }
         let Some(target) = &self.config.target else {
             warn!(
                 event = "unguarded",
@@ -95,7 +104,10 @@ impl Guard<'_> {
         };
         let patience = match self.config.wait {
             Wait::No => Patience::None,
-            Wait::For(limit) => Patience::Until(Instant::now() + limit),
+            // Too far to represent is as good as forever.
+            Wait::For(limit) => Instant::now()
+                .checked_add(limit)
+                .map_or(Patience::Forever, Patience::Until),
             Wait::Forever => Patience::Forever,
         };
         let request = LockRequest {
@@ -162,26 +174,36 @@ impl Guard<'_> {
         tokio::select! {
             _ = tokio::time::sleep(delay) => Ok(held),
             loss = held.lost() => {
-                self.metrics.lock_lost(loss.reason.as_str());
+                self.metrics.lock_lost(loss.reason);
                 error!(event = "lock_lost", reason = %loss.reason, detail = %loss.detail, "lock lost during the takeover delay; the app was not started");
                 Err(Outcome::LockLost)
             }
             signal = stop_request(signals) => {
                 warn!(event = "stopped_before_start", signal = %signal_name(signal), "stopped during the takeover delay; the app was not started");
-                self.release(Some(held)).await;
+                self.release_unused(Some(held)).await;
                 Err(Outcome::StoppedBeforeStart)
             }
         }
     }
 
-    /// Gives the lock back; only called once nothing of the app is alive.
-    async fn release(&self, held: Option<HeldLock>) {
+    /// Gives the lock back once nothing of the app is alive, which `gone` proves.
+    async fn release(&self, held: Option<HeldLock>, gone: TreeGone) {
         if let Some(lock) = held {
-            let released = lock.release().await;
-            self.metrics.lock_gone();
-            if let Err(e) = released {
-                warn!(event = "release_failed", error = %e, "lock release failed; the backend frees it when the guard's connection closes");
-            }
+            self.released(lock.release(gone).await);
+        }
+    }
+
+    /// Gives back a lock under which no app was started.
+    async fn release_unused(&self, held: Option<HeldLock>) {
+        if let Some(lock) = held {
+            self.released(lock.release_unused().await);
+        }
+    }
+
+    fn released(&self, result: Result<(), backend::LockError>) {
+        self.metrics.lock_gone();
+        if let Err(e) = result {
+            warn!(event = "release_failed", error = %e, "lock release failed; the backend frees it when the guard's connection closes");
         }
     }
 
@@ -197,90 +219,202 @@ impl Guard<'_> {
             remove: HIDDEN_FROM_APP,
             set,
         };
-        let mut app = match Supervisor::start(
-            &config.command,
-            &env,
-            config.forward_to,
-            (config.stop_signal, config.timings.grace_period),
-            held.as_ref().and_then(HeldLock::orphan_session),
-        ) {
+        let mut app_deadline = held.as_ref().and_then(HeldLock::app_deadline);
+        let lock_deadline = |rx: &Option<watch::Receiver<Deadline>>| {
+            rx.as_ref().map_or(Deadline::NEVER, |rx| *rx.borrow())
+        };
+        // Made before the app starts: a guard that cannot time its lock must not run it.
+        let mut deadline_timer = match AsyncBootTimer::new(lock_deadline(&app_deadline)) {
+            Ok(timer) => timer,
+            Err(e) => {
+                error!(event = "setup_failed", error = %e, "cannot create the lock's deadline timer; the app was not started");
+                self.release_unused(held).await;
+                return Outcome::Internal;
+            }
+        };
+        let started = {
+            let farewell = match &held {
+                Some(lock) => lock.farewell(),
+                None => Farewell::none(),
+            };
+            Supervisor::start(
+                &config.command,
+                &env,
+                config.forward_to,
+                (config.stop_signal, config.timings.grace_period),
+                &farewell,
+            )
+            .await
+        };
+        let mut app = match started {
             Ok(app) => app,
+            Err(StartError::Watchdog { error, gone }) => {
+                error!(event = "app_start_failed", error = %error, "cannot start the watchdog; the app was killed before the lock is given back");
+                self.release(held, gone).await;
+                return Outcome::Internal;
+            }
             Err(e) => {
                 error!(event = "app_start_failed", error = %e, "app not started");
-                self.release(held).await;
+                self.release_unused(held).await;
                 return match e {
                     StartError::Spawn(SpawnError::NotFound { .. }) => Outcome::NotFound,
                     StartError::Spawn(SpawnError::NotExecutable { .. }) => Outcome::NotExecutable,
-                    StartError::Setup(_) => Outcome::Internal,
+                    StartError::Setup(_) | StartError::Watchdog { .. } => Outcome::Internal,
                 };
             }
         };
         self.span.record("app_pid", app.app_pid().as_raw());
         self.metrics.app_started();
-        let max_runtime_at = config.max_runtime.map(|d| Instant::now() + d);
-        let mut kill_at: Option<Instant> = None;
-        let grace = config.timings.grace_period;
-        let mut app_deadline = held.as_ref().and_then(HeldLock::app_deadline);
-        if let Some(deadline) = &app_deadline {
-            app.extend_watchdog(*deadline.borrow());
+        if app_deadline.is_some() {
+            app.lock_deadline(lock_deadline(&app_deadline));
         }
-        loop {
+        let max_runtime_at = config.max_runtime.map(Deadline::after);
+        let mut kill_at: Option<Deadline> = None;
+        let ending = loop {
             tokio::select! {
-                dead_by = next_deadline(&mut app_deadline) => app.extend_watchdog(dead_by),
-                status = app.app_exit() => {
-                    info!(event = "app_exited", %status, "app ended");
-                    self.metrics.app_ended(Some(status));
-                    app.stop_tree(config.stop_signal, grace).await;
-                    // A guard that was frozen past its lock's deadline finds its app stopped by the
-                    // watchdog: that is a lost lock, not an app that ended on its own.
-                    if app_deadline.as_ref().is_some_and(|deadline| Instant::now() >= *deadline.borrow()) {
-                        self.metrics.lock_lost(GUARD_FROZEN);
-                        error!(event = "lock_lost", reason = GUARD_FROZEN, "the lock ran out while the guard was unresponsive; the watchdog stopped the app");
-                        return Outcome::LockLost;
+                // The lock's deadline first: after a freeze, a passed deadline is acted on before any
+                // later one, or any other event, is read.
+                biased;
+                () = deadline_timer.fired() => break Ending::Lost(LockLoss {
+                    reason: LossReason::DeadlinePassed,
+                    detail: "ownership was not proven again before the lock's deadline".to_owned(),
+                }),
+                dead_by = next_deadline(&mut app_deadline) => {
+                    app.lock_deadline(dead_by);
+                    if let Err(e) = deadline_timer.arm(dead_by) {
+                        // The watchdog still holds the deadline; the next proof re-arms the timer.
+                        warn!(event = "timer_failed", error = %e, "cannot re-arm the lock's deadline timer");
                     }
-                    self.release(held).await;
-                    return Outcome::AppExited(status);
                 }
-                loss = lost(&mut held) => {
-                    // Counted before teardown, so /leader turns 503 the moment the lock is gone.
-                    self.metrics.lock_lost(loss.reason.as_str());
-                    error!(
-                        event = "lock_lost",
-                        reason = %loss.reason,
-                        detail = %loss.detail,
-                        "lock lost; stopping the app"
-                    );
-                    app.stop_tree(config.stop_signal, grace).await;
-                    self.metrics.app_ended(app.app_status());
-                    info!(event = "app_stopped", status = ?app.app_status().map(|s| s.to_string()), "app stopped after lock loss");
-                    return Outcome::LockLost;
-                }
+                event = app.next_event() => break match event {
+                    Event::AppExited(status) => Ending::AppExited(status),
+                    Event::WatchdogEnded { acted: true } => Ending::Lost(LockLoss {
+                        reason: LossReason::GuardFrozen,
+                        detail: "the watchdog stopped the app while the guard was unresponsive".to_owned(),
+                    }),
+                    Event::WatchdogEnded { acted: false } => Ending::Lost(LockLoss {
+                        reason: LossReason::WatchdogDied,
+                        detail: "the watchdog process exited; the app may not run without it".to_owned(),
+                    }),
+                },
+                loss = lost(&mut held) => break Ending::Lost(loss),
                 signal = signals.next() => {
                     app.forward(signal);
                     if is_shutdown(signal) && kill_at.is_none() {
-                        kill_at = Some(Instant::now() + grace);
+                        kill_at = Some(Deadline::after(config.timings.grace_period));
                     }
                 }
-                _ = at(kill_at) => {
-                    warn!(event = "killing_app", grace = %humantime::format_duration(grace), "app still running after the grace period; sending SIGKILL");
-                    app.stop_tree(Signal::SIGKILL, Duration::ZERO).await;
+                () = at(kill_at) => {
+                    app.kill_all();
+                    warn!(event = "killing_app", grace = %humantime::format_duration(config.timings.grace_period), "app still running after the grace period; sent SIGKILL");
                     kill_at = None;
                 }
-                _ = at(max_runtime_at) => {
-                    warn!(event = "max_runtime", max_runtime = ?config.max_runtime.map(|d| humantime::format_duration(d).to_string()), "max runtime reached; stopping the app");
-                    app.stop_tree(config.stop_signal, grace).await;
-                    self.metrics.app_ended(app.app_status());
-                    info!(event = "app_stopped", status = ?app.app_status().map(|s| s.to_string()), "app stopped after max runtime");
-                    self.release(held).await;
-                    return Outcome::MaxRuntime;
+                () = at(max_runtime_at) => break Ending::MaxRuntime,
+            }
+        };
+        let lock_deadline = lock_deadline(&app_deadline);
+        self.finish(app, held, ending, lock_deadline, kill_at).await
+    }
+
+    /// The one way out of supervision: stop the app's whole tree, then give the lock back if it is
+    /// still ours, and say how the run ended.
+    async fn finish(
+        &self,
+        mut app: Supervisor,
+        held: Option<HeldLock>,
+        ending: Ending,
+        lock_deadline: Deadline,
+        kill_at: Option<Deadline>,
+    ) -> Outcome {
+        let config = self.config;
+        let grace_ends = kill_at.unwrap_or_else(|| Deadline::after(config.timings.grace_period));
+        let (signal, kill_by) = match &ending {
+            // A passed deadline is final: no grace, whatever is alive is killed now.
+            Ending::Lost(loss)
+                if matches!(
+                    loss.reason,
+                    LossReason::DeadlinePassed | LossReason::GuardFrozen
+                ) =>
+            {
+                (Signal::SIGKILL, Deadline::now())
+            }
+            _ => (config.stop_signal, grace_ends.min(lock_deadline)),
+        };
+        // Counted before teardown, so /leader turns 503 the moment the lock is gone or the app ends.
+        match &ending {
+            Ending::Lost(loss) => {
+                self.metrics.lock_lost(loss.reason);
+                if loss.reason != LossReason::WatchdogDied {
+                    app.lock_lost();
                 }
             }
+            Ending::AppExited(status) => self.metrics.app_ended(Some(*status)),
+            Ending::MaxRuntime => {}
+        }
+        let stopped = app
+            .stop(signal, kill_by, || match &ending {
+                Ending::Lost(loss) => error!(
+                    event = "lock_lost",
+                    reason = %loss.reason,
+                    detail = %loss.detail,
+                    "lock lost; stopping the app"
+                ),
+                Ending::AppExited(status) => info!(event = "app_exited", %status, "app ended"),
+                Ending::MaxRuntime => warn!(
+                    event = "max_runtime",
+                    max_runtime = %config.max_runtime.map(|d| humantime::format_duration(d).to_string()).unwrap_or_default(),
+                    "max runtime reached; stopping the app"
+                ),
+            })
+            .await;
+        if !matches!(ending, Ending::AppExited(_)) {
+            self.metrics.app_ended(stopped.app);
+        }
+        let status = stopped
+            .app
+            .map_or_else(|| "unknown".to_owned(), |s| s.to_string());
+        info!(event = "app_stopped", status = %status, "app process tree is gone");
+        if stopped.watchdog_acted
+            && !matches!(&ending, Ending::Lost(loss) if loss.reason == LossReason::GuardFrozen)
+        {
+            // The guard learns it from the watchdog itself, not from a deadline that may have moved.
+            self.metrics.lock_lost(LossReason::GuardFrozen);
+            error!(
+                event = "lock_lost",
+                reason = %LossReason::GuardFrozen,
+                "the lock ran out while the guard was unresponsive; the watchdog stopped the app"
+            );
+            return Outcome::LockLost;
+        }
+        match ending {
+            Ending::AppExited(status) => {
+                self.release(held, stopped.gone).await;
+                Outcome::AppExited(status)
+            }
+            Ending::MaxRuntime => {
+                self.release(held, stopped.gone).await;
+                Outcome::MaxRuntime
+            }
+            // The lock is still ours, but the app may not run without its watchdog.
+            Ending::Lost(loss) if loss.reason == LossReason::WatchdogDied => {
+                self.release(held, stopped.gone).await;
+                Outcome::LockLost
+            }
+            // Dropping the lock closes what is left of it; it is not ours to give back.
+            Ending::Lost(_) => Outcome::LockLost,
         }
     }
 }
 
+/// Why supervision ended.
+enum Ending {
+    AppExited(AppStatus),
+    Lost(LockLoss),
+    MaxRuntime,
+}
+
 /// The next moment the backend watcher sets for the app to be dead by.
-async fn next_deadline(deadline: &mut Option<tokio::sync::watch::Receiver<Instant>>) -> Instant {
+async fn next_deadline(deadline: &mut Option<watch::Receiver<Deadline>>) -> Deadline {
     if let Some(rx) = deadline {
         if rx.changed().await.is_ok() {
             return *rx.borrow_and_update();
@@ -308,9 +442,9 @@ async fn lost(held: &mut Option<HeldLock>) -> backend::LockLoss {
     }
 }
 
-async fn at(deadline: Option<Instant>) {
+async fn at(deadline: Option<Deadline>) {
     match deadline {
-        Some(deadline) => sleep_until(deadline).await,
+        Some(deadline) => deadline::sleep_until(deadline).await,
         None => std::future::pending().await,
     }
 }

@@ -115,7 +115,7 @@ fn a_sigkilled_guards_lock_is_free_at_once_whatever_the_check_interval() {
     assert!(
         wait_until(Duration::from_secs(5), || leader
             .log_text()
-            .contains("watchdog_ended_session")),
+            .contains("event=\"watchdog_farewell\"")),
         "{}",
         leader.log_text()
     );

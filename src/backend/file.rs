@@ -7,6 +7,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::fd::AsFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -21,6 +22,7 @@ use super::{
 };
 use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
+use crate::supervisor::watchdog::Farewell;
 
 /// How often to retry when the path was replaced between opening and locking it.
 const OPEN_ATTEMPTS: usize = 5;
@@ -195,6 +197,16 @@ pub struct FileLock {
 }
 
 impl FileLock {
+    /// The watchdog keeps a copy of the locked descriptor: the kernel frees a `flock` only when its
+    /// last descriptor closes, so a SIGKILLed guard's lock then outlives it until the watchdog has
+    /// seen the app's group gone. A release (`LOCK_UN`) frees it whatever copies are open.
+    pub fn farewell(&self) -> Farewell<'_> {
+        Farewell {
+            message: Vec::new(),
+            keep: Some(self.file.as_fd()),
+        }
+    }
+
     pub async fn lost(&mut self) -> LockLoss {
         let mut ticks = tokio::time::interval(self.check_interval);
         loop {

@@ -8,8 +8,6 @@ mod mysql;
 mod redis;
 mod watched;
 
-pub use mysql::OrphanSession;
-
 use std::fmt;
 use std::time::Duration;
 
@@ -18,8 +16,12 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use crate::config::{LockName, Target, Timings};
+use crate::deadline::Deadline;
 use crate::holder::Holder;
 use crate::metrics::{AcquireOutcome, Metrics};
+use crate::supervisor::watchdog::Farewell;
+use crate::supervisor::TreeGone;
+use crate::vocab::LossReason;
 
 /// Why the lock could not be taken or used. Every variant means "the app must not run": exit 69.
 #[derive(Debug, Error)]
@@ -30,55 +32,6 @@ pub enum LockError {
     Refused(String),
     #[error("lock backend is unsafe for a singleton lock: {0}")]
     Unsafe(String),
-}
-
-/// Why a held lock stopped being ours. The names appear in logs as `reason=...`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LossReason {
-    /// The server closed the connection that held the lock (`KILL`, restart, crash).
-    ConnectionClosed,
-    /// The backend answered that someone else, or no one, holds the lock.
-    NotOwner,
-    /// The backend did not answer a check within check-interval + check-timeout.
-    CheckTimeout,
-    /// The backend answered a check with an error.
-    CheckFailed,
-    /// No Redis renewal was confirmed in time: the lease could run out before a stopping app is dead.
-    LeaseExpiring,
-    /// The lock file's path no longer exists.
-    LockFileDeleted,
-    /// The lock file's path now names a different file than the one locked.
-    LockFileReplaced,
-}
-
-impl LossReason {
-    pub const ALL: [LossReason; 7] = [
-        LossReason::ConnectionClosed,
-        LossReason::NotOwner,
-        LossReason::CheckTimeout,
-        LossReason::CheckFailed,
-        LossReason::LeaseExpiring,
-        LossReason::LockFileDeleted,
-        LossReason::LockFileReplaced,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LossReason::ConnectionClosed => "connection_closed",
-            LossReason::NotOwner => "not_owner",
-            LossReason::CheckTimeout => "check_timeout",
-            LossReason::CheckFailed => "check_failed",
-            LossReason::LeaseExpiring => "lease_expiring",
-            LossReason::LockFileDeleted => "lock_file_deleted",
-            LossReason::LockFileReplaced => "lock_file_replaced",
-        }
-    }
-}
-
-impl fmt::Display for LossReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 /// A lost lock, with what the backend said about it.
@@ -290,9 +243,9 @@ impl HeldLock {
     }
 
     /// By when the app must be dead if the guard hears nothing more from the backend, for the
-    /// watchdog that acts if the guard itself freezes. `None` for a file lock: the kernel keeps a
-    /// frozen guard's flock, so no one else can take it meanwhile.
-    pub fn app_deadline(&self) -> Option<tokio::sync::watch::Receiver<Instant>> {
+    /// guard's deadline timer and the watchdog that acts if the guard itself freezes. `None` for a
+    /// file lock: the kernel keeps a frozen guard's flock, so no one else can take it meanwhile.
+    pub fn app_deadline(&self) -> Option<tokio::sync::watch::Receiver<Deadline>> {
         match self {
             HeldLock::Mysql(lock) => Some(lock.app_deadline()),
             HeldLock::Redis(lock) => Some(lock.app_deadline()),
@@ -300,12 +253,15 @@ impl HeldLock {
         }
     }
 
-    /// The server session the watchdog ends if the guard dies holding the lock; only MySQL keeps a
-    /// dead client's lock for a while (Redis leases and file locks need nothing).
-    pub fn orphan_session(&self) -> Option<&OrphanSession> {
+    /// What the watchdog does for this lock if the guard dies holding it, once the app is gone:
+    /// MySQL keeps a dead client's lock until it notices (the watchdog ends the session); a file
+    /// lock would be freed by the kernel the moment the guard dies (the watchdog keeps a copy of the
+    /// descriptor until then). A Redis lease needs nothing: it expires on the server's schedule.
+    pub fn farewell(&self) -> Farewell<'_> {
         match self {
-            HeldLock::Mysql(lock) => Some(lock.orphan_session()),
-            HeldLock::Redis(_) | HeldLock::File(_) => None,
+            HeldLock::Mysql(lock) => lock.farewell(),
+            HeldLock::File(lock) => lock.farewell(),
+            HeldLock::Redis(_) => Farewell::none(),
         }
     }
 
@@ -329,12 +285,28 @@ impl HeldLock {
         }
     }
 
-    /// Gives the lock back. Only called once nothing of the app is alive.
-    pub async fn release(self) -> Result<(), LockError> {
+    /// Gives the lock back, which only the proof that nothing of the app is alive allows.
+    pub async fn release(self, _gone: TreeGone) -> Result<(), LockError> {
+        self.give_back().await
+    }
+
+    /// Gives back a lock under which no app was ever started (a stop during the takeover delay, a
+    /// command that could not be spawned).
+    pub async fn release_unused(self) -> Result<(), LockError> {
+        self.give_back().await
+    }
+
+    async fn give_back(self) -> Result<(), LockError> {
         match self {
             HeldLock::Mysql(lock) => lock.release().await,
             HeldLock::Redis(lock) => lock.release().await,
             HeldLock::File(lock) => lock.release(),
         }
     }
+}
+
+/// Runs, in the watchdog of a guard that died holding a lock, the farewell message the backend
+/// handed it (see `HeldLock::farewell`).
+pub fn say_farewell(message: &[u8]) -> Result<String, String> {
+    mysql::say_farewell(message)
 }

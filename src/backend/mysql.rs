@@ -11,7 +11,7 @@ use std::time::Duration;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, OptsBuilder};
 use tokio::sync::oneshot::error::TryRecvError;
-use tokio::time::{timeout, Instant};
+use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
 use super::watched::{WatchedLock, WatcherEnds};
@@ -20,8 +20,10 @@ use super::{
     LossReason, Patience,
 };
 use crate::config::{LockName, MysqlTarget, SecretUrl, Target, Timings};
+use crate::deadline::Deadline;
 use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
+use crate::supervisor::watchdog::Farewell;
 
 /// Server error codes that mean the server ended our session rather than refused one statement.
 const ER_SERVER_SHUTDOWN: u16 = 1053;
@@ -296,25 +298,60 @@ async fn describe_connection(conn: &mut Conn, id: u64, limit: Duration) -> Holde
 /// release or finds the lock gone.
 pub struct MysqlLock {
     watched: WatchedLock,
-    session: OrphanSession,
+    farewell: Vec<u8>,
 }
 
 /// What the guard's watchdog needs to end the lock's session should the guard die holding it. The
 /// server notices a dead client only when the outstanding check's `SLEEP` ends, up to
 /// `--check-interval` later; ending the session frees the lock at once, so a standby takes over in
-/// milliseconds. The watchdog does it only after the app's process group is gone.
-pub struct OrphanSession {
-    pub url: SecretUrl,
-    pub connection_id: u32,
-    pub timeout: Duration,
+/// milliseconds. The watchdog does it only after the app's process group is gone, and only if the
+/// lock is still held by that very session: after a server restart connection ids start again, and
+/// the id may by then belong to a stranger's session.
+struct SessionFarewell {
+    url: SecretUrl,
+    connection_id: u32,
+    name: String,
+    timeout: Duration,
 }
 
-/// MariaDB's "Unknown thread id": the session had already ended.
-const ER_NO_SUCH_THREAD: u16 = 1094;
+/// Tags a farewell message as MySQL's.
+const FAREWELL_TAG: u8 = b'm';
 
-impl OrphanSession {
-    /// `KILL CONNECTION` from a new session, on a runtime of its own (the watchdog has none).
-    pub fn end(&self) -> Result<(), String> {
+impl SessionFarewell {
+    fn encode(&self) -> Vec<u8> {
+        let url = self.url.expose().as_bytes();
+        let mut bytes = vec![FAREWELL_TAG];
+        bytes.extend_from_slice(&self.connection_id.to_le_bytes());
+        let timeout_ms = u32::try_from(self.timeout.as_millis()).unwrap_or(u32::MAX);
+        bytes.extend_from_slice(&timeout_ms.to_le_bytes());
+        // Lock names are at most 64 bytes (validated), so one length byte is enough.
+        bytes.push(self.name.len() as u8);
+        bytes.extend_from_slice(self.name.as_bytes());
+        bytes.extend_from_slice(url);
+        bytes
+    }
+
+    fn decode(bytes: &[u8]) -> Option<SessionFarewell> {
+        let (&tag, rest) = bytes.split_first()?;
+        if tag != FAREWELL_TAG || rest.len() < 9 {
+            return None;
+        }
+        let connection_id = u32::from_le_bytes(rest[0..4].try_into().ok()?);
+        let timeout_ms = u32::from_le_bytes(rest[4..8].try_into().ok()?);
+        let name_len = usize::from(rest[8]);
+        let name = std::str::from_utf8(rest.get(9..9 + name_len)?).ok()?;
+        let url = std::str::from_utf8(rest.get(9 + name_len..)?).ok()?;
+        Some(SessionFarewell {
+            url: SecretUrl::new(url.to_owned()),
+            connection_id,
+            name: name.to_owned(),
+            timeout: Duration::from_millis(u64::from(timeout_ms)),
+        })
+    }
+
+    /// `KILL CONNECTION` from a new session, if that session still holds the lock; on a runtime of
+    /// its own (the watchdog has none).
+    fn end(&self) -> Result<String, String> {
         let target = match Target::parse(self.url.expose(), "") {
             Ok(Target::Mysql(target)) => target,
             _ => return Err("not a mysql:// URL".to_owned()),
@@ -327,29 +364,61 @@ impl OrphanSession {
             let mut conn = connect(&target, self.timeout)
                 .await
                 .map_err(|e| e.to_string())?;
-            let kill = format!("KILL CONNECTION {}", self.connection_id);
-            let result = match timeout(self.timeout, conn.query_drop(kill)).await {
-                Err(_) => Err(format!(
-                    "no answer within {}",
-                    humantime::format_duration(self.timeout)
-                )),
-                Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_NO_SUCH_THREAD => Ok(()),
-                Ok(Err(e)) => Err(target.url.scrub(e)),
-                Ok(Ok(())) => Ok(()),
-            };
+            let result = self.end_on(&mut conn, &target).await;
             let _ = timeout(self.timeout, conn.disconnect()).await;
             result
         })
+    }
+
+    async fn end_on(&self, conn: &mut Conn, target: &MysqlTarget) -> Result<String, String> {
+        let holder = holder_connection(conn, &self.name, self.timeout)
+            .await
+            .map_err(|e| match e {
+                Some(e) => target.url.scrub(e),
+                None => "no answer to IS_USED_LOCK".to_owned(),
+            })?;
+        if holder != Some(u64::from(self.connection_id)) {
+            return Ok(format!(
+                "left connection {} alone: the lock is no longer held by it",
+                self.connection_id
+            ));
+        }
+        let kill = format!("KILL CONNECTION {}", self.connection_id);
+        match timeout(self.timeout, conn.query_drop(kill)).await {
+            Err(_) => Err(format!(
+                "no answer within {}",
+                humantime::format_duration(self.timeout)
+            )),
+            Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_NO_SUCH_THREAD => Ok(format!(
+                "connection {} had already ended",
+                self.connection_id
+            )),
+            Ok(Err(e)) => Err(target.url.scrub(e)),
+            Ok(Ok(())) => Ok(format!("ended connection {}", self.connection_id)),
+        }
+    }
+}
+
+/// MariaDB's "Unknown thread id": the session had already ended.
+const ER_NO_SUCH_THREAD: u16 = 1094;
+
+/// Runs a farewell message made by `MysqlLock::farewell`, in the watchdog.
+pub fn say_farewell(message: &[u8]) -> Result<String, String> {
+    match SessionFarewell::decode(message) {
+        Some(farewell) => farewell.end(),
+        None => Err("the farewell message is not one this program writes".to_owned()),
     }
 }
 
 impl MysqlLock {
     fn watch(conn: Conn, target: &MysqlTarget, request: &LockRequest<'_>) -> MysqlLock {
-        let session = OrphanSession {
+        let farewell = SessionFarewell {
             url: target.secret.clone(),
             connection_id: conn.id(),
+            name: request.name.as_str().to_owned(),
             timeout: request.timings.connect_timeout,
-        };
+        }
+        .encode();
         let watcher = Watcher {
             conn_id: conn.id(),
             target: target.clone(),
@@ -360,15 +429,18 @@ impl MysqlLock {
             grace: request.timings.grace_period,
             checks: request.metrics.checks(),
         };
-        let dead_by = Instant::now() + watcher.budget + watcher.grace;
+        let dead_by = Deadline::after(watcher.budget + watcher.grace);
         MysqlLock {
             watched: WatchedLock::spawn(dead_by, |ends| watcher.run(conn, ends)),
-            session,
+            farewell,
         }
     }
 
-    pub fn orphan_session(&self) -> &OrphanSession {
-        &self.session
+    pub fn farewell(&self) -> Farewell<'_> {
+        Farewell {
+            message: self.farewell.clone(),
+            keep: None,
+        }
     }
 
     pub async fn lost(&mut self) -> LockLoss {
@@ -379,7 +451,7 @@ impl MysqlLock {
         self.watched.release().await
     }
 
-    pub fn app_deadline(&self) -> tokio::sync::watch::Receiver<Instant> {
+    pub fn app_deadline(&self) -> tokio::sync::watch::Receiver<Deadline> {
         self.watched.app_deadline()
     }
 }
@@ -427,7 +499,7 @@ impl Watcher {
             if !matches!(ends.release.try_recv(), Err(TryRecvError::Empty)) {
                 return self.release(conn).await;
             }
-            let sent = Instant::now();
+            let sent = Deadline::now();
             ends.app_dead_by(sent + self.budget + self.grace);
             let (check, releasing) = {
                 let check = timeout(
@@ -437,8 +509,10 @@ impl Watcher {
                 tokio::pin!(check);
                 tokio::select! {
                     biased;
-                    result = &mut check => (self.judge(result), false),
-                    _ = &mut ends.release => (self.judge(self.interrupt(check).await), true),
+                    // An answer counts only if it came within the budget of being sent: a guard
+                    // frozen past it reads a true answer about a moment that no longer holds.
+                    result = &mut check => (self.judge(result, sent), false),
+                    _ = &mut ends.release => (self.judge(self.interrupt(check).await, sent), true),
                 }
             };
             // An interrupted check says nothing about how fast the server answers.
@@ -467,9 +541,18 @@ impl Watcher {
         }
     }
 
-    fn judge(&self, result: CheckResult) -> Check {
+    fn judge(&self, result: CheckResult, sent: Deadline) -> Check {
         let lost = |reason, detail: String| Check::Lost(LockLoss { reason, detail });
+        let took = sent.elapsed();
         match result {
+            Ok(Ok(Some((_, Some(1))))) if took > self.budget => lost(
+                LossReason::CheckTimeout,
+                format!(
+                    "the check answered after {}, beyond its {} budget",
+                    humantime::format_duration(Duration::from_millis(took.as_millis() as u64)),
+                    humantime::format_duration(self.budget)
+                ),
+            ),
             Ok(Ok(Some((_, Some(1))))) => Check::Owned,
             Ok(Ok(row)) => lost(
                 LossReason::NotOwner,
@@ -563,5 +646,30 @@ impl Watcher {
         // Closing the session frees the lock on the server even where RELEASE_LOCK failed.
         let _ = timeout(self.budget, conn.disconnect()).await;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn farewell_messages_round_trip_and_others_are_refused() {
+        let farewell = SessionFarewell {
+            url: SecretUrl::new("mysql://sg:pw@db:3306/app".to_owned()),
+            connection_id: 4_000_000_001,
+            name: "billing".to_owned(),
+            timeout: Duration::from_millis(1500),
+        };
+        let decoded = SessionFarewell::decode(&farewell.encode()).unwrap();
+        assert_eq!(decoded.url.expose(), "mysql://sg:pw@db:3306/app");
+        assert_eq!(decoded.connection_id, 4_000_000_001);
+        assert_eq!(decoded.name, "billing");
+        assert_eq!(decoded.timeout, Duration::from_millis(1500));
+        assert!(SessionFarewell::decode(b"").is_none());
+        assert!(SessionFarewell::decode(b"x12345678").is_none());
+        let mut truncated = farewell.encode();
+        truncated.truncate(12);
+        assert!(SessionFarewell::decode(&truncated).is_none());
     }
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use redis::aio::{MultiplexedConnection, PubSub};
 use redis::{AsyncConnectionConfig, ErrorKind, RedisError, Script};
-use tokio::time::{sleep_until, timeout, Instant};
+use tokio::time::{timeout, Instant};
 use tracing::{debug, info, warn};
 
 use super::watched::{WatchedLock, WatcherEnds};
@@ -20,6 +20,7 @@ use super::{
     LossReason, Patience,
 };
 use crate::config::{LockName, RedisTarget, Timings};
+use crate::deadline::{self, Deadline};
 use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
 
@@ -145,7 +146,7 @@ enum Attempt {
         conn: MultiplexedConnection,
         fence: i64,
         clean: bool,
-        sent: Instant,
+        sent: Deadline,
     },
     Held {
         holder: HolderInfo,
@@ -292,7 +293,7 @@ async fn attempt(
             Err(_) => return Err(Failure::silent(target, timings.connect_timeout)),
         },
     };
-    let sent = Instant::now();
+    let sent = Deadline::now();
     let (fence, clean) = match timeout(
         timings.check_timeout,
         invocation.invoke_async::<(i64, i64)>(&mut conn),
@@ -303,6 +304,11 @@ async fn attempt(
         Ok(Err(e)) => return Err(Failure::redis(target, &e)),
         Err(_) => return Err(Failure::silent(target, timings.check_timeout)),
     };
+    // A late answer (the guard was frozen meanwhile) is asked again: the script is idempotent for
+    // our token, and the next answer dates the lease afresh.
+    if sent.elapsed() > timings.check_timeout {
+        return Err(Failure::silent(target, timings.check_timeout));
+    }
     if fence > 0 {
         return Ok(Attempt::Won {
             conn,
@@ -444,7 +450,7 @@ impl RedisLock {
         self.watched.release().await
     }
 
-    pub fn app_deadline(&self) -> tokio::sync::watch::Receiver<Instant> {
+    pub fn app_deadline(&self) -> tokio::sync::watch::Receiver<Deadline> {
         self.watched.app_deadline()
     }
 }
@@ -457,7 +463,7 @@ struct Lease {
     conn: Option<MultiplexedConnection>,
     timings: Timings,
     /// Send time of the last confirmed acquire or renewal + ttl - drift margin.
-    valid_until: Instant,
+    valid_until: Deadline,
     checks: Checks,
 }
 
@@ -468,7 +474,7 @@ struct ScriptFailure {
 }
 
 enum Renewal {
-    Confirmed { sent: Instant },
+    Confirmed { sent: Deadline },
     NotOwner,
     Failed(String),
 }
@@ -480,17 +486,15 @@ enum Step {
 }
 
 impl Lease {
-    async fn run(mut self, acquired_at: Instant, mut ends: WatcherEnds) -> Result<(), LockError> {
+    async fn run(mut self, acquired_at: Deadline, mut ends: WatcherEnds) -> Result<(), LockError> {
         let retry = self.timings.renew_interval.min(MAX_RETRY_INTERVAL);
         let mut next_attempt = acquired_at + self.timings.renew_interval;
         loop {
             // The app needs grace-period to stop before the lease can run out.
-            let stop_at = self
-                .valid_until
-                .checked_sub(self.timings.grace_period)
-                .unwrap_or(self.valid_until);
+            let stop_at = self.valid_until.minus(self.timings.grace_period);
             let step = tokio::select! {
-                _ = sleep_until(stop_at) => Step::MustStop,
+                biased;
+                _ = deadline::sleep_until(stop_at) => Step::MustStop,
                 _ = &mut ends.release => Step::Release,
                 renewal = self.renew_at(next_attempt) => Step::Renewed(renewal),
             };
@@ -512,18 +516,16 @@ impl Lease {
                     return Ok(());
                 }
                 Step::Renewed(Renewal::Failed(error)) => {
-                    let left = self.valid_until.saturating_duration_since(Instant::now());
+                    let left = self.valid_until.remaining();
                     warn!(event = "renewal_failed", error = %error, lease_left = %humantime::format_duration(round(left)), "redis lease renewal failed; retrying");
-                    next_attempt = Instant::now() + retry;
+                    next_attempt = Deadline::after(retry);
                 }
                 Step::MustStop => {
                     ends.report(LockLoss {
                         reason: LossReason::LeaseExpiring,
                         detail: format!(
                             "no renewal confirmed in time; the lease may run out in {}",
-                            humantime::format_duration(round(
-                                self.valid_until.saturating_duration_since(Instant::now())
-                            ))
+                            humantime::format_duration(round(self.valid_until.remaining()))
                         ),
                     });
                     return Ok(());
@@ -533,9 +535,9 @@ impl Lease {
         }
     }
 
-    async fn renew_at(&mut self, at: Instant) -> Renewal {
-        sleep_until(at).await;
-        let sent = Instant::now();
+    async fn renew_at(&mut self, at: Deadline) -> Renewal {
+        deadline::sleep_until(at).await;
+        let sent = Deadline::now();
         let renew = Script::new(RENEW);
         let mut invocation = renew.key(&self.keys.lock);
         invocation.arg(&self.token).arg(millis(self.timings.ttl));
@@ -545,8 +547,15 @@ impl Lease {
             Ok(_) => CheckOutcome::Error,
             Err(failure) => failure.outcome,
         };
-        self.checks.record(outcome, sent.elapsed());
+        let took = sent.elapsed();
+        self.checks.record(outcome, took);
         match result {
+            // A confirmation read after check-timeout proves nothing about now: the guard may have
+            // been frozen while the lease ran out and another instance took it.
+            Ok(1) if took > self.timings.check_timeout => Renewal::Failed(format!(
+                "the renewal was confirmed after {}, beyond --check-timeout",
+                humantime::format_duration(round(took))
+            )),
             Ok(1) => Renewal::Confirmed { sent },
             Ok(_) => Renewal::NotOwner,
             Err(failure) => Renewal::Failed(failure.message),

@@ -5,16 +5,16 @@ use std::future::Future;
 
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
-use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::{LockError, LockLoss};
+use crate::deadline::Deadline;
 
 /// The watcher's side: where to report a loss, and the request to release.
 pub struct WatcherEnds {
     pub lost: watch::Sender<Option<LockLoss>>,
     pub release: oneshot::Receiver<()>,
-    dead_by: watch::Sender<Instant>,
+    dead_by: watch::Sender<Deadline>,
 }
 
 impl WatcherEnds {
@@ -22,22 +22,30 @@ impl WatcherEnds {
         let _ = self.lost.send(Some(loss));
     }
 
-    /// Publishes by when the app must be dead if ownership is not proven again before then.
-    pub fn app_dead_by(&self, at: Instant) {
-        let _ = self.dead_by.send(at);
+    /// Publishes by when the app must be dead if ownership is not proven again before then. A
+    /// deadline that has passed is final: it is never replaced by a later one, so the guard acts on
+    /// it even when a proof arrives after it (a thawed guard reading a late answer).
+    pub fn app_dead_by(&self, at: Deadline) {
+        self.dead_by.send_if_modified(|current| {
+            if current.has_passed() || *current == at {
+                return false;
+            }
+            *current = at;
+            true
+        });
     }
 }
 
 pub struct WatchedLock {
     lost: watch::Receiver<Option<LockLoss>>,
-    dead_by: watch::Receiver<Instant>,
+    dead_by: watch::Receiver<Deadline>,
     release: Option<oneshot::Sender<()>>,
     watcher: JoinHandle<Result<(), LockError>>,
 }
 
 impl WatchedLock {
     /// Starts `watcher` as a task in the caller's tracing span; `dead_by` is the app's first deadline.
-    pub fn spawn<F, Fut>(dead_by: Instant, watcher: F) -> WatchedLock
+    pub fn spawn<F, Fut>(dead_by: Deadline, watcher: F) -> WatchedLock
     where
         F: FnOnce(WatcherEnds) -> Fut,
         Fut: Future<Output = Result<(), LockError>> + Send + 'static,
@@ -59,7 +67,7 @@ impl WatchedLock {
     }
 
     /// The latest moment by which the app must be dead, as the watcher keeps moving it.
-    pub fn app_deadline(&self) -> watch::Receiver<Instant> {
+    pub fn app_deadline(&self) -> watch::Receiver<Deadline> {
         self.dead_by.clone()
     }
 

@@ -6,22 +6,28 @@ mod spawn;
 mod tree;
 pub mod watchdog;
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use nix::errno::Errno;
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::{getpid, Pid};
-use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use crate::backend::OrphanSession;
 use crate::cli::ForwardTo;
-pub use reaper::AppStatus;
-pub use signals::{ends_wait, is_shutdown, signal_name, SignalEvents};
+use crate::deadline::{AsyncBootTimer, Deadline};
+use crate::vocab::{signal_name, AppStatus};
+pub use signals::{ends_wait, is_shutdown, SignalEvents};
 pub use spawn::{AppEnv, SpawnError};
+pub use tree::proc_is_ours;
+use watchdog::{Farewell, Message, Watchdog};
 
-/// How often teardown re-reads the process tree while waiting for it to empty.
-const TEARDOWN_POLL: Duration = Duration::from_millis(10);
+/// Teardown re-reads the guard's children at least this often; a SIGCHLD wakes it sooner.
+const TEARDOWN_TICK: Duration = Duration::from_millis(100);
+/// Outside teardown the reaper also runs on this tick, in case a SIGCHLD was coalesced.
+const REAP_TICK: Duration = Duration::from_secs(1);
+/// How long a stood-down watchdog gets to exit before it is killed.
+const WATCHDOG_EXIT_WAIT: Duration = Duration::from_secs(1);
 
 /// Makes the guard the reaper of every orphan below it. As PID 1 it already is.
 pub fn become_subreaper() -> nix::Result<()> {
@@ -31,35 +37,64 @@ pub fn become_subreaper() -> nix::Result<()> {
     Ok(())
 }
 
+/// Proof that nothing of the app is alive any more: only a finished teardown makes one, and giving a
+/// lock back requires one, so the lock cannot be released while any process of the app lives.
+#[must_use]
+pub struct TreeGone(());
+
+/// What ended supervision, as the guard sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    AppExited(AppStatus),
+    /// The watchdog ended; `acted` when it stopped the app of an unresponsive guard.
+    WatchdogEnded {
+        acted: bool,
+    },
+}
+
+/// A finished teardown.
+pub struct Stopped {
+    pub app: Option<AppStatus>,
+    /// The watchdog stopped the app itself at some point: the guard had been unresponsive while its
+    /// lock ran out.
+    pub watchdog_acted: bool,
+    pub gone: TreeGone,
+}
+
 pub struct Supervisor {
     reaper: reaper::Reaper,
     app: Pid,
-    guard: Pid,
     forward_to: ForwardTo,
-    watchdog: watchdog::Watchdog,
+    watchdog: Watchdog,
+    /// The watchdog's end was already reported by `next_event`.
+    watchdog_reported: bool,
 }
 
 impl Supervisor {
     /// Spawns the app, then its watchdog; `stop_signal` and `grace` are what the watchdog uses if it
-    /// ever has to stop the app itself, `session` what it ends if the guard dies holding the lock.
-    pub fn start(
+    /// ever has to stop the app itself, `farewell` what it does for the lock if the guard dies.
+    pub async fn start(
         command: &[std::ffi::OsString],
         env: &AppEnv<'_>,
         forward_to: ForwardTo,
         stop: (Signal, Duration),
-        session: Option<&OrphanSession>,
+        farewell: &Farewell<'_>,
     ) -> Result<Supervisor, StartError> {
         let mut reaper = reaper::Reaper::register().map_err(StartError::Setup)?;
         let app = spawn::spawn(command, env).map_err(StartError::Spawn)?;
-        reaper.track(app);
-        let watchdog = match watchdog::Watchdog::spawn(app, stop, &env.set, session) {
+        reaper.track_app(app);
+        let watchdog = match Watchdog::spawn(app, stop, &env.set, env.remove, farewell) {
             Ok(watchdog) => watchdog,
-            Err(e) => {
-                // Without its dead man's switch the app must not run.
+            Err(error) => {
+                // Without its dead man's switch the app must not run; the lock waits for its end.
                 let _ = killpg(app, Signal::SIGKILL);
-                return Err(StartError::Setup(e));
+                let gone =
+                    teardown(&mut reaper, app, Signal::SIGKILL, Deadline::now(), || {}).await;
+                reaper.reap_app();
+                return Err(StartError::Watchdog { error, gone });
             }
         };
+        reaper.track_watchdog(watchdog.pid());
         info!(
             event = "app_started",
             app_pid = app.as_raw(),
@@ -69,24 +104,41 @@ impl Supervisor {
         Ok(Supervisor {
             reaper,
             app,
-            guard: getpid(),
             forward_to,
             watchdog,
+            watchdog_reported: false,
         })
-    }
-
-    /// Tells the watchdog by when the app must be dead should the guard freeze.
-    pub fn extend_watchdog(&mut self, dead_by: Instant) {
-        self.watchdog.extend(dead_by);
     }
 
     pub fn app_pid(&self) -> Pid {
         self.app
     }
 
-    /// Resolves when the main app process has ended. Cancel-safe.
-    pub async fn app_exit(&mut self) -> AppStatus {
-        self.reaper.main_exit().await
+    /// Tells the watchdog by when the app must be dead should the guard freeze.
+    pub fn lock_deadline(&mut self, dead_by: Deadline) {
+        self.watchdog.send(Message::LockDeadline(dead_by));
+    }
+
+    /// Tells the watchdog the lock is no longer ours: nothing of it to free on the guard's death.
+    pub fn lock_lost(&mut self) {
+        self.watchdog.send(Message::LockLost);
+    }
+
+    /// Resolves when the app's main process ends or the watchdog does. Cancel-safe.
+    pub async fn next_event(&mut self) -> Event {
+        loop {
+            self.reaper.reap();
+            if let (Some(status), false) = (self.reaper.watchdog_status(), self.watchdog_reported) {
+                self.watchdog_reported = true;
+                return Event::WatchdogEnded {
+                    acted: status == AppStatus::Exited(watchdog::EXIT_ACTED),
+                };
+            }
+            if let Some(status) = self.reaper.app_status() {
+                return Event::AppExited(status);
+            }
+            self.reaper.child_event(REAP_TICK).await;
+        }
     }
 
     pub fn forward(&self, signal: i32) {
@@ -95,7 +147,8 @@ impl Supervisor {
             ForwardTo::Group => -self.app.as_raw(),
             ForwardTo::Child => self.app.as_raw(),
         };
-        // Raw kill(2): nix's Signal cannot carry real-time signals.
+        // Raw kill(2): nix's Signal cannot carry real-time signals. The app's pid is not reaped
+        // before teardown ends, so it cannot name another process here.
         // SAFETY: kill(2) with a pid and a signal number has no memory-safety preconditions.
         let result = unsafe { nix::libc::kill(target, signal) };
         if result == 0 {
@@ -106,74 +159,117 @@ impl Supervisor {
         }
     }
 
-    /// Stops everything below the guard: `signal` to the app's group and to every descendant that
-    /// left it, up to `grace` for them to exit, then SIGKILL until nothing is left. Returns only once
-    /// no process of the app is alive, so the lock may be released.
-    pub async fn stop_tree(&mut self, signal: Signal, grace: Duration) {
-        // The guard stops the app itself now, at its own pace.
-        self.watchdog.disarm();
-        let deadline = Instant::now() + grace;
-        if self.signal_tree(signal) {
-            info!(event = "stopping_app", signal = %signal, grace = %humantime::format_duration(grace), "stopping app process tree");
+    /// SIGKILL to the app's group and every other process left below the guard; supervision goes
+    /// on until the app's exit is seen.
+    pub fn kill_all(&mut self) {
+        let _ = killpg(self.app, Signal::SIGKILL);
+        for pid in self.reaper.reap() {
+            let _ = kill(pid, Signal::SIGKILL);
         }
+    }
+
+    /// Stops everything below the guard: `signal` to the app's group and to every process that left
+    /// it, then SIGKILL at `kill_by` (at once if it has passed), until nothing is left. The watchdog
+    /// stays armed with `kill_by` throughout and stands down only once the tree is gone.
+    /// `announce` logs why, once the first signal is out: kill first, log after.
+    pub async fn stop(
+        mut self,
+        signal: Signal,
+        kill_by: Deadline,
+        announce: impl FnOnce(),
+    ) -> Stopped {
+        self.watchdog.send(Message::KillBy(kill_by));
+        let gone = teardown(&mut self.reaper, self.app, signal, kill_by, announce).await;
+        self.watchdog.send(Message::StandDown);
+        let watchdog_acted = self.await_watchdog().await;
+        // Only now may the app's pid, and with it its group id, be given to another process.
+        self.reaper.reap_app();
+        Stopped {
+            app: self.reaper.app_status(),
+            watchdog_acted,
+            gone,
+        }
+    }
+
+    /// Waits for the stood-down watchdog to exit; returns whether it ever acted.
+    async fn await_watchdog(&mut self) -> bool {
+        let until = Deadline::after(WATCHDOG_EXIT_WAIT);
         loop {
             self.reaper.reap();
-            if self.app_processes().is_empty() {
-                return;
+            if let Some(status) = self.reaper.watchdog_status() {
+                return status == AppStatus::Exited(watchdog::EXIT_ACTED);
             }
-            let now = Instant::now();
-            if now >= deadline {
-                break;
+            if until.has_passed() {
+                // It is the guard's own child, so its pid is still its own: no one else is hit.
+                let _ = kill(self.watchdog.pid(), Signal::SIGKILL);
             }
-            self.reaper
-                .child_event(TEARDOWN_POLL.min(deadline - now))
-                .await;
+            self.reaper.child_event(TEARDOWN_TICK).await;
         }
-        if !grace.is_zero() {
-            warn!(event = "killing_app", grace = %humantime::format_duration(grace), "app processes outlived the grace period; sending SIGKILL");
-        }
-        loop {
-            self.signal_tree(Signal::SIGKILL);
-            if self.guard.as_raw() == 1 {
-                // As PID 1 of a namespace, this also reaches anything that escaped the tree scan.
-                let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
-            }
-            self.reaper.reap();
-            if self.app_processes().is_empty() {
-                return;
-            }
-            self.reaper.child_event(TEARDOWN_POLL).await;
-        }
-    }
-
-    /// Signals the app's group, and each live descendant outside it. Returns whether anything was alive.
-    fn signal_tree(&self, signal: Signal) -> bool {
-        let live = self.app_processes();
-        let _ = killpg(self.app, signal);
-        for process in live.iter().filter(|p| p.pgid != self.app) {
-            let _ = kill(process.pid, signal);
-        }
-        !live.is_empty()
-    }
-
-    /// Every live process below the guard but its own watchdog.
-    fn app_processes(&self) -> Vec<tree::Descendant> {
-        let mut live = tree::live_descendants(self.guard);
-        live.retain(|p| p.pid != self.watchdog.pid());
-        live
-    }
-
-    pub fn app_status(&self) -> Option<AppStatus> {
-        self.reaper.main_status()
     }
 }
 
-impl Drop for Supervisor {
-    /// Every way out of supervision stops the app first; from here the guard exits on its own, and
-    /// its watchdog must not take the pipe's end for a death.
-    fn drop(&mut self) {
-        self.watchdog.stand_down();
+/// Signals the app's group and what else is left below the guard until nothing is: `signal` first,
+/// SIGKILL from `kill_by` on. Kill first, log after. Waits on SIGCHLD and the boot clock only.
+async fn teardown(
+    reaper: &mut reaper::Reaper,
+    app: Pid,
+    signal: Signal,
+    kill_by: Deadline,
+    announce: impl FnOnce(),
+) -> TreeGone {
+    let mut current = if kill_by.has_passed() {
+        Signal::SIGKILL
+    } else {
+        signal
+    };
+    let _ = killpg(app, current);
+    announce();
+    let mut signalled: HashSet<Pid> = HashSet::new();
+    let mut kill_timer = AsyncBootTimer::new(kill_by).ok();
+    let mut logged = false;
+    loop {
+        let left = reaper.reap();
+        if reaper.app_status().is_some() && left.is_empty() {
+            return TreeGone(());
+        }
+        // Processes that left the app's group, and orphans handed to the guard: each gets the
+        // current signal once. They are the guard's children, unreaped, so their pids are theirs.
+        for pid in left {
+            if signalled.insert(pid) {
+                let _ = kill(pid, current);
+            }
+        }
+        if !logged {
+            logged = true;
+            info!(event = "stopping_app", signal = %current, kill_in = %humantime::format_duration(round(kill_by.remaining())), "stopping app process tree");
+        }
+        let sigkill_due = async {
+            match kill_timer.as_mut() {
+                _ if current == Signal::SIGKILL => std::future::pending().await,
+                Some(timer) => timer.fired().await,
+                // No timer descriptor to spare: the tick re-checks the clock below.
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = reaper.child_event(TEARDOWN_TICK) => {}
+            _ = sigkill_due => {}
+        }
+        if current != Signal::SIGKILL && kill_by.has_passed() {
+            current = Signal::SIGKILL;
+            let _ = killpg(app, current);
+            signalled.clear();
+            warn!(
+                event = "killing_app",
+                "app processes outlived their stop deadline; sending SIGKILL"
+            );
+        }
     }
+}
+
+/// Durations in logs, to the millisecond.
+fn round(d: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -182,4 +278,16 @@ pub enum StartError {
     Setup(std::io::Error),
     #[error(transparent)]
     Spawn(SpawnError),
+    /// The app was started but its watchdog was not; the app has been killed and is gone.
+    #[error("cannot start the watchdog: {error}")]
+    Watchdog {
+        error: std::io::Error,
+        gone: TreeGone,
+    },
+}
+
+impl std::fmt::Debug for TreeGone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TreeGone")
+    }
 }

@@ -1,7 +1,8 @@
-//! The one place that calls `waitpid`. It reaps every child, including orphans reparented to the
-//! guard, and keeps the main app's status for whoever asks.
+//! The one place that waits for children. It reaps every child that ends, including orphans handed
+//! to the guard, but the app's main process: that one is only looked at (`WNOWAIT`) until the whole
+//! tree is gone, so its pid, which is also the app's process group id, cannot be given to another
+//! process while the guard may still signal the group.
 
-use std::fmt;
 use std::io;
 use std::time::Duration;
 
@@ -10,41 +11,15 @@ use nix::unistd::Pid;
 use tokio::signal::unix::{signal, Signal as SignalStream, SignalKind};
 use tracing::debug;
 
-use super::signals::signal_name;
-
-/// Reaping also runs on this tick, in case a SIGCHLD was coalesced with one already handled.
-const REAP_TICK: Duration = Duration::from_secs(1);
-
-/// How the app ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AppStatus {
-    Exited(u8),
-    Signaled(i32),
-}
-
-impl AppStatus {
-    /// The shell's convention: the exit code, or 128+N for death by signal N.
-    pub fn code(self) -> u8 {
-        match self {
-            AppStatus::Exited(code) => code,
-            AppStatus::Signaled(signal) => 128u8.wrapping_add(signal as u8),
-        }
-    }
-}
-
-impl fmt::Display for AppStatus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            AppStatus::Exited(code) => write!(f, "exited with code {code}"),
-            AppStatus::Signaled(signal) => write!(f, "killed by {}", signal_name(*signal)),
-        }
-    }
-}
+use super::tree;
+use crate::vocab::AppStatus;
 
 pub struct Reaper {
     sigchld: SignalStream,
-    main: Option<Pid>,
-    main_status: Option<AppStatus>,
+    app: Option<Pid>,
+    app_status: Option<AppStatus>,
+    watchdog: Option<Pid>,
+    watchdog_status: Option<AppStatus>,
 }
 
 impl Reaper {
@@ -52,55 +27,57 @@ impl Reaper {
     pub fn register() -> io::Result<Reaper> {
         Ok(Reaper {
             sigchld: signal(SignalKind::child())?,
-            main: None,
-            main_status: None,
+            app: None,
+            app_status: None,
+            watchdog: None,
+            watchdog_status: None,
         })
     }
 
-    pub fn track(&mut self, main: Pid) {
-        self.main = Some(main);
+    pub fn track_app(&mut self, app: Pid) {
+        self.app = Some(app);
     }
 
-    pub fn main_status(&self) -> Option<AppStatus> {
-        self.main_status
+    pub fn track_watchdog(&mut self, watchdog: Pid) {
+        self.watchdog = Some(watchdog);
     }
 
-    /// Collects every child that has ended, without blocking.
-    pub fn reap(&mut self) {
-        loop {
-            let mut raw = 0;
-            // SAFETY: plain syscall with a valid out-pointer. libc rather than nix: nix cannot
-            // represent a death by a real-time signal and would lose that status.
-            let pid = unsafe { libc::waitpid(-1, &mut raw, libc::WNOHANG) };
-            if pid <= 0 {
-                if pid < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-                    continue;
-                }
-                return;
-            }
-            let status = if libc::WIFEXITED(raw) {
-                AppStatus::Exited(libc::WEXITSTATUS(raw) as u8)
-            } else if libc::WIFSIGNALED(raw) {
-                AppStatus::Signaled(libc::WTERMSIG(raw))
-            } else {
+    pub fn app_status(&self) -> Option<AppStatus> {
+        self.app_status
+    }
+
+    pub fn watchdog_status(&self) -> Option<AppStatus> {
+        self.watchdog_status
+    }
+
+    /// Reaps every child that has ended but the app, notes whether the app has ended, and returns the
+    /// children still alive other than the app and the watchdog: what is left of the app's tree
+    /// besides the app itself.
+    pub fn reap(&mut self) -> Vec<Pid> {
+        let mut alive = Vec::new();
+        for child in tree::children() {
+            if Some(child) == self.app {
                 continue;
-            };
-            if Some(Pid::from_raw(pid)) == self.main {
-                self.main_status = Some(status);
-            } else {
-                debug!(pid, %status, "reaped descendant");
+            }
+            match wait(child, libc::WNOHANG) {
+                Some(status) if Some(child) == self.watchdog => self.watchdog_status = Some(status),
+                Some(status) => debug!(pid = child.as_raw(), %status, "reaped descendant"),
+                None if Some(child) == self.watchdog => {}
+                None => alive.push(child),
             }
         }
+        if let (Some(app), None) = (self.app, self.app_status) {
+            self.app_status = peek(app);
+        }
+        alive
     }
 
-    /// Resolves when the main app has ended. Cancel-safe: the status is kept once reaped.
-    pub async fn main_exit(&mut self) -> AppStatus {
-        loop {
-            self.reap();
-            if let Some(status) = self.main_status {
-                return status;
+    /// Reaps the app's main process, which must have ended: the last step of a teardown.
+    pub fn reap_app(&mut self) {
+        if let Some(app) = self.app.take() {
+            if let Some(status) = wait(app, 0) {
+                self.app_status = Some(status);
             }
-            self.child_event(REAP_TICK).await;
         }
     }
 
@@ -110,5 +87,42 @@ impl Reaper {
             _ = self.sigchld.recv() => {}
             _ = tokio::time::sleep(limit) => {}
         }
+    }
+}
+
+/// `waitpid(pid, flags)`: the child's status once it has ended and is reaped.
+fn wait(pid: Pid, flags: i32) -> Option<AppStatus> {
+    loop {
+        let mut raw = 0;
+        // SAFETY: plain syscall with a valid out-pointer. libc rather than nix: nix cannot
+        // represent a death by a real-time signal and would lose that status.
+        let reaped = unsafe { libc::waitpid(pid.as_raw(), &mut raw, flags) };
+        if reaped < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+            continue;
+        }
+        return if reaped == pid.as_raw() {
+            AppStatus::from_wait(raw)
+        } else {
+            None
+        };
+    }
+}
+
+/// The status of a child that has ended, left unreaped.
+fn peek(pid: Pid) -> Option<AppStatus> {
+    // SAFETY: siginfo_t is plain data; waitid fills it.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    let flags = libc::WEXITED | libc::WNOHANG | libc::WNOWAIT;
+    // SAFETY: valid out-pointer; P_PID with a child's pid.
+    let result = unsafe { libc::waitid(libc::P_PID, pid.as_raw() as libc::id_t, &mut info, flags) };
+    // SAFETY: si_pid and si_status are valid for SIGCHLD siginfo, which waitid fills.
+    if result != 0 || unsafe { info.si_pid() } != pid.as_raw() {
+        return None;
+    }
+    let status = unsafe { info.si_status() };
+    match info.si_code {
+        libc::CLD_EXITED => Some(AppStatus::Exited(status as u8)),
+        libc::CLD_KILLED | libc::CLD_DUMPED => Some(AppStatus::Signaled(status)),
+        _ => None,
     }
 }

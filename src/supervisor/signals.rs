@@ -56,13 +56,6 @@ pub fn ends_wait(signal: i32) -> bool {
     .any(|s| *s as i32 == signal)
 }
 
-pub fn signal_name(signal: i32) -> String {
-    match Signal::try_from(signal) {
-        Ok(named) => named.as_str().to_owned(),
-        Err(_) => format!("SIGRTMIN+{}", signal - libc::SIGRTMIN()),
-    }
-}
-
 pub struct SignalEvents {
     received: mpsc::UnboundedReceiver<i32>,
 }

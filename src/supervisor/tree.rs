@@ -1,77 +1,121 @@
 //! The guard's process tree, read from /proc.
 //!
-//! The guard is PID 1 or a child subreaper, so every process the app ever forked stays below it, even
-//! after double-forking or `setsid`: "everything left of the app" is exactly the guard's descendants.
+//! The guard is PID 1 or a child subreaper, so every process the app ever forks stays below it: a
+//! process whose parent dies is handed to the guard. "Nothing of the app is left" is therefore "the
+//! guard has no child but its watchdog and the app's own unreaped zombie", which its own children
+//! list tells without walking every process on the host.
 
-use std::collections::HashMap;
 use std::fs;
 
-use nix::unistd::Pid;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Descendant {
-    pub pid: Pid,
-    pub pgid: Pid,
-}
+use nix::unistd::{getpid, Pid};
 
 struct Entry {
-    pid: i32,
     ppid: i32,
     pgid: i32,
     zombie: bool,
 }
 
 /// `/proc/<pid>/stat`: "pid (comm) state ppid pgrp ...", where comm may itself contain ") ".
-fn read_entry(pid: i32) -> Option<Entry> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+fn parse_stat(stat: &str) -> Option<Entry> {
     let after_comm = &stat[stat.rfind(')')? + 1..];
     let mut fields = after_comm.split_whitespace();
     let state = fields.next()?;
     let ppid = fields.next()?.parse().ok()?;
     let pgid = fields.next()?.parse().ok()?;
     Some(Entry {
-        pid,
         ppid,
         pgid,
         zombie: state == "Z" || state == "X",
     })
 }
 
+fn read_entry(pid: i32) -> Option<Entry> {
+    parse_stat(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
 /// Every process on the host, as far as /proc can be read.
-fn all_processes() -> impl Iterator<Item = Entry> {
+fn all_processes() -> impl Iterator<Item = (i32, Entry)> {
     fs::read_dir("/proc")
         .into_iter()
         .flatten()
         .flatten()
         .filter_map(|entry| entry.file_name().to_str()?.parse().ok())
-        .filter_map(read_entry)
+        .filter_map(|pid| Some((pid, read_entry(pid)?)))
 }
 
 /// How many live (not zombie) processes are in the process group `pgid`.
 pub fn live_group_members(pgid: Pid) -> usize {
     all_processes()
-        .filter(|entry| entry.pgid == pgid.as_raw() && !entry.zombie)
+        .filter(|(_, entry)| entry.pgid == pgid.as_raw() && !entry.zombie)
         .count()
 }
 
-/// Every live (not yet dead) process below `root`.
-pub fn live_descendants(root: Pid) -> Vec<Descendant> {
-    let mut children: HashMap<i32, Vec<Entry>> = HashMap::new();
-    for entry in all_processes() {
-        children.entry(entry.ppid).or_default().push(entry);
-    }
+/// Whether /proc shows this process's own PID namespace. A guard started in a new namespace without
+/// its own /proc (`unshare --pid --fork` without `--mount-proc`) would read other processes' pids
+/// there, and must not signal by them.
+pub fn proc_is_ours() -> bool {
+    fs::read_link("/proc/self")
+        .ok()
+        .and_then(|link| link.to_str()?.parse::<i32>().ok())
+        == Some(getpid().as_raw())
+}
+
+/// The guard's direct children, zombies included, from each of its threads' children lists (a
+/// process orphaned below the guard is handed to one of its threads). Where the kernel has no such
+/// lists, one walk of /proc finds them by parent.
+pub fn children() -> Vec<Pid> {
     let mut found = Vec::new();
-    let mut frontier = vec![root.as_raw()];
-    while let Some(parent) = frontier.pop() {
-        for child in children.remove(&parent).unwrap_or_default() {
-            frontier.push(child.pid);
-            if !child.zombie {
-                found.push(Descendant {
-                    pid: Pid::from_raw(child.pid),
-                    pgid: Pid::from_raw(child.pgid),
-                });
-            }
+    let mut listed = false;
+    for task in fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if let Ok(list) = fs::read_to_string(task.path().join("children")) {
+            listed = true;
+            found.extend(
+                list.split_whitespace()
+                    .filter_map(|pid| pid.parse().ok())
+                    .map(Pid::from_raw),
+            );
         }
     }
+    if !listed {
+        let me = getpid().as_raw();
+        found.extend(
+            all_processes()
+                .filter(|(_, entry)| entry.ppid == me)
+                .map(|(pid, _)| Pid::from_raw(pid)),
+        );
+    }
     found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_parsing_survives_a_comm_with_parentheses_and_spaces() {
+        let entry = parse_stat("4242 (evil) Z 1 2 (x)) S 17 99 99 0 -1 4194560").unwrap();
+        assert_eq!((entry.ppid, entry.pgid, entry.zombie), (17, 99, false));
+        let zombie = parse_stat("7 (a b) Z 3 7 7 0").unwrap();
+        assert_eq!((zombie.ppid, zombie.pgid, zombie.zombie), (3, 7, true));
+        assert!(parse_stat("garbage").is_none());
+        assert!(parse_stat("1 (x) S notanumber 1").is_none());
+    }
+
+    #[test]
+    fn this_process_sees_its_own_proc_and_its_children() {
+        assert!(proc_is_ours());
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let pid = Pid::from_raw(child.id() as i32);
+        assert!(children().contains(&pid));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!children().contains(&pid));
+    }
 }

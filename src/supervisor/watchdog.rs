@@ -3,25 +3,29 @@
 //!
 //! - **The guard dies** (even by SIGKILL): the app itself dies by PDEATHSIG, but what it forked would
 //!   be orphaned. The guard's end of a pipe closes with it; the watchdog sees EOF and SIGKILLs the
-//!   app's whole process group.
+//!   app's whole process group. Once the group is gone it says the lock's farewell: it closes its copy
+//!   of a locked file's descriptor (the kernel frees the `flock` only then), or runs the backend's
+//!   farewell message (MySQL: end the dead guard's session, so a standby takes over at once).
 //! - **The guard freezes** (SIGSTOP, a stalled cgroup, a debugger): its lock still ends on the
-//!   backend's schedule (the MySQL server frees it after `wait_timeout` of silence, a Redis lease
-//!   expires). The guard keeps telling the watchdog by when its app must be dead if nothing more is
-//!   heard; if that moment passes, the watchdog stops the app's group on its own: the stop signal,
-//!   then SIGKILL at the deadline.
+//!   backend's schedule. The guard keeps telling the watchdog by when its app must be dead if nothing
+//!   more is heard; if that moment nears, the watchdog stops the app's group on its own (the stop
+//!   signal at `deadline - grace`, SIGKILL at the deadline) and exits with `EXIT_ACTED`, which is how
+//!   the guard learns it lost the lock while frozen.
+//! - **The whole tree was frozen** (`docker pause`, a suspended host) past the deadline: whichever of
+//!   guard and watchdog runs first after the thaw SIGKILLs the group. The watchdog reads the clock
+//!   after every wake-up before it reads anything the guard sent, and a deadline that has passed is
+//!   never replaced by a later one.
+//! - **The guard tears the app down**: it stays armed with `kill_by = min(now + grace, deadline)`,
+//!   so a guard frozen or killed half-way through teardown still leaves no app behind.
 //!
-//! - **The guard dies holding a MySQL lock**: once the app's group is gone, the watchdog ends the
-//!   guard's server session with `KILL CONNECTION`, so the lock is free at once instead of when the
-//!   server next looks at the dead client (after the outstanding check's `SLEEP`).
-//!
-//! The watchdog is the guard's own binary run as `sentinel-guard __watchdog`. On fd 3 it reads the
-//! session to end (a length-prefixed URL, 0 for none, then the connection id and a timeout in ms),
-//! then 8-byte CLOCK_MONOTONIC deadlines (`u64::MAX`: none; `STAND_DOWN`: the guard is done with
-//! the app and exits normally). Only the pipe ends it.
+//! The watchdog is the guard's own binary run as `sentinel-guard __watchdog <group> <signal>
+//! <grace-ns>`. On fd 3 (a pipe) it reads the hand-over (a flag saying whether fd 4 is a locked
+//! descriptor to keep, and a length-prefixed farewell message), then 9-byte messages. It ignores every
+//! catchable signal: only the pipe ends it. All moments are `CLOCK_BOOTTIME` nanoseconds.
 
 use std::fs::File;
 use std::io::{self, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::Duration;
@@ -31,25 +35,202 @@ use nix::fcntl::{fcntl, FcntlArg, FdFlag, OFlag};
 use nix::libc;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{killpg, signal, SigHandler, Signal};
-use nix::time::{clock_gettime, ClockId};
+use nix::sys::stat::{fstat, SFlag};
 use nix::unistd::{pipe2, Pid};
-use tokio::time::Instant;
-use tracing::{error, info, info_span, warn};
+use tracing::{debug, error, info, info_span, warn};
 
-use crate::backend::OrphanSession;
-use crate::config::SecretUrl;
+use crate::deadline::{BootTimer, Deadline};
+use crate::vocab::LossReason;
 
-/// The fd on which the watchdog reads deadlines.
-const DEADLINE_FD: i32 = 3;
-/// No deadline: the lock cannot run out under a frozen guard (a file lock, or no lock at all).
-const NO_DEADLINE: u64 = u64::MAX;
-/// The guard has stopped the app and is exiting on its own: the pipe's end is not a death.
-const STAND_DOWN: u64 = u64::MAX - 1;
-/// How long the watchdog waits for a killed app group to be gone before it frees the lock early.
-const GROUP_GONE_WAIT: Duration = Duration::from_secs(2);
+/// The fd on which the watchdog reads the guard's messages.
+const MESSAGE_FD: RawFd = 3;
+/// The fd of a locked file the watchdog keeps open until the app's group is gone.
+const KEPT_FD: RawFd = 4;
+/// The watchdog's exit code after it stopped the app of an unresponsive guard.
+pub const EXIT_ACTED: u8 = 10;
 /// The watchdog starts stopping the app this long after the guard would have: a healthy guard acts
-/// first and disarms it, so the two never signal the app together.
+/// first and starts its own teardown, so the two never signal the app together.
 const SLACK: Duration = Duration::from_millis(200);
+/// How often the watchdog of a dead guard looks whether the app's group is gone.
+const GROUP_GONE_POLL: Duration = Duration::from_millis(2);
+/// After this long with app processes surviving SIGKILL, the watchdog says so (and keeps waiting).
+const GROUP_GONE_WARN: Duration = Duration::from_secs(2);
+
+/// What the guard tells its watchdog after the hand-over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Message {
+    /// The lock was proven: the app must be dead by this moment if nothing more is heard.
+    LockDeadline(Deadline),
+    /// The guard is stopping the app itself: SIGKILL the group at this moment if it still lives.
+    KillBy(Deadline),
+    /// The lock is no longer ours: nothing of it is to be ended or closed on the guard's death.
+    LockLost,
+    /// The app's tree is gone: exit without acting.
+    StandDown,
+}
+
+const MESSAGE_LEN: usize = 9;
+
+impl Message {
+    fn encode(self) -> [u8; MESSAGE_LEN] {
+        let (tag, at) = match self {
+            Message::LockDeadline(at) => (1, at.as_nanos()),
+            Message::KillBy(at) => (2, at.as_nanos()),
+            Message::LockLost => (3, 0),
+            Message::StandDown => (4, 0),
+        };
+        let mut bytes = [0u8; MESSAGE_LEN];
+        bytes[0] = tag;
+        bytes[1..].copy_from_slice(&at.to_le_bytes());
+        bytes
+    }
+
+    fn decode(bytes: [u8; MESSAGE_LEN]) -> Option<Message> {
+        let mut at = [0u8; 8];
+        at.copy_from_slice(&bytes[1..]);
+        let at = Deadline::from_nanos(u64::from_le_bytes(at));
+        match bytes[0] {
+            1 => Some(Message::LockDeadline(at)),
+            2 => Some(Message::KillBy(at)),
+            3 => Some(Message::LockLost),
+            4 => Some(Message::StandDown),
+            _ => None,
+        }
+    }
+}
+
+/// What the watchdog must do to the app's group now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Nothing,
+    /// Send the stop signal: the guard is silent and the deadline is within the grace period.
+    Stop,
+    /// SIGKILL the group: its deadline has come.
+    Kill,
+}
+
+/// The watchdog's decisions, free of I/O so every transition can be tested.
+#[derive(Debug)]
+struct Switch {
+    /// By when the app must be dead; `NEVER` while there is nothing to run out.
+    dead_by: Deadline,
+    grace: Duration,
+    /// The guard is tearing down, or the watchdog has sent the stop signal itself: no stop signal
+    /// (again), and the deadline no longer moves later.
+    stopping: bool,
+    /// The guard is tearing down: a kill at the deadline backs up a guard that is still working,
+    /// not one that froze, so the watchdog stays for the stand-down.
+    teardown: bool,
+    /// Whether the lock is still ours to say farewell to on the guard's death.
+    farewell: bool,
+}
+
+impl Switch {
+    fn new(grace: Duration) -> Switch {
+        Switch {
+            dead_by: Deadline::NEVER,
+            grace,
+            stopping: false,
+            teardown: false,
+            farewell: true,
+        }
+    }
+
+    /// When the watchdog sends the stop signal of a silent guard.
+    fn stop_at(&self) -> Deadline {
+        (self.dead_by.minus(self.grace) + SLACK).min(self.dead_by)
+    }
+
+    /// What is due at `now`. Checked after every wake-up, before any message is read.
+    fn due(&self, now: Deadline) -> Action {
+        if self.dead_by == Deadline::NEVER {
+            Action::Nothing
+        } else if now >= self.dead_by {
+            Action::Kill
+        } else if !self.stopping && now >= self.stop_at() {
+            Action::Stop
+        } else {
+            Action::Nothing
+        }
+    }
+
+    /// When `due` next changes with no message.
+    fn next_wake(&self) -> Deadline {
+        if self.stopping {
+            self.dead_by
+        } else {
+            self.stop_at()
+        }
+    }
+
+    fn stop_sent(&mut self) {
+        self.stopping = true;
+    }
+
+    /// The group was SIGKILLed during the guard's teardown: nothing more is due.
+    fn killed_in_teardown(&mut self) {
+        self.dead_by = Deadline::NEVER;
+    }
+
+    /// Applies a message received at `now`. A deadline that has passed is final, and so is one the
+    /// app is already being stopped for: neither is ever replaced by a later one.
+    fn apply(&mut self, message: Message, now: Deadline) {
+        let passed = self.dead_by != Deadline::NEVER && now >= self.dead_by;
+        match message {
+            Message::LockDeadline(at) if !passed && !self.stopping => self.dead_by = at,
+            Message::LockDeadline(_) => {}
+            Message::KillBy(at) if !passed => {
+                self.stopping = true;
+                self.teardown = true;
+                self.dead_by = self.dead_by.min(at);
+            }
+            Message::KillBy(_) => {}
+            Message::LockLost => self.farewell = false,
+            Message::StandDown => {}
+        }
+    }
+}
+
+/// What the watchdog does for the lock once the guard is dead and the app's group gone.
+pub struct Farewell<'a> {
+    /// An opaque message for the backend's farewell (may carry credentials: it travels only through
+    /// the pipe, never the environment or the command line). Empty: nothing to say.
+    pub message: Vec<u8>,
+    /// A descriptor of the locked file, kept open by the watchdog so the lock outlives a killed guard
+    /// until the app's group is gone.
+    pub keep: Option<BorrowedFd<'a>>,
+}
+
+impl Farewell<'_> {
+    pub fn none() -> Farewell<'static> {
+        Farewell {
+            message: Vec::new(),
+            keep: None,
+        }
+    }
+}
+
+/// Runs a backend's farewell message in the watchdog; returns what it did, for the log.
+pub type FarewellRunner = fn(&[u8]) -> Result<String, String>;
+
+fn encode_handover(farewell: &Farewell<'_>) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(farewell.message.len() + 5);
+    bytes.push(u8::from(farewell.keep.is_some()));
+    let len = u32::try_from(farewell.message.len()).unwrap_or(u32::MAX);
+    bytes.extend_from_slice(&len.to_le_bytes());
+    bytes.extend_from_slice(&farewell.message[..len as usize]);
+    bytes
+}
+
+/// The hand-over: whether fd 4 is kept, and the farewell message.
+fn decode_handover(pipe: &mut impl Read) -> io::Result<(bool, Vec<u8>)> {
+    let mut head = [0u8; 5];
+    pipe.read_exact(&mut head)?;
+    let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
+    let mut message = vec![0u8; len];
+    pipe.read_exact(&mut message)?;
+    Ok((head[0] == 1, message))
+}
 
 /// The guard's end: the watchdog's pid and the pipe that feeds it.
 pub struct Watchdog {
@@ -57,31 +238,16 @@ pub struct Watchdog {
     pid: Pid,
 }
 
-fn monotonic_ns() -> u64 {
-    let now = clock_gettime(ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC is always available");
-    now.tv_sec() as u64 * 1_000_000_000 + now.tv_nsec() as u64
-}
-
-/// A tokio instant as CLOCK_MONOTONIC nanoseconds, which every process on the host shares.
-fn as_monotonic_ns(at: Instant) -> u64 {
-    let now = Instant::now();
-    let base = monotonic_ns();
-    if at >= now {
-        base + (at - now).as_nanos() as u64
-    } else {
-        base.saturating_sub((now - at).as_nanos() as u64)
-    }
-}
-
 impl Watchdog {
     /// Starts the watchdog for the app's group, with no deadline yet. `context` names the lock
     /// (`SENTINEL_GUARD_NAME`, `_BACKEND`, `_HOLDER_ID`) so the watchdog's log lines say whose app
-    /// it acts on.
+    /// it acts on; `hidden` are variables it must not inherit (credentials).
     pub fn spawn(
         app_group: Pid,
         (stop_signal, grace): (Signal, Duration),
         context: &[(&str, String)],
-        session: Option<&OrphanSession>,
+        hidden: &[&str],
+        farewell: &Farewell<'_>,
     ) -> io::Result<Watchdog> {
         // Close-on-exec, so the app never inherits an end: a stray write end would keep the pipe
         // open after the guard died.
@@ -95,18 +261,17 @@ impl Watchdog {
             .env(crate::logging::FORMAT_VAR, crate::logging::format_name())
             .stdin(Stdio::null())
             .stdout(Stdio::null());
+        for key in hidden {
+            cmd.env_remove(key);
+        }
         let source = read_end.as_raw_fd();
+        let kept = farewell.keep.map(|fd| fd.as_raw_fd());
         // SAFETY: between fork and exec only async-signal-safe calls, no allocation.
         unsafe {
             cmd.pre_exec(move || {
-                // dup2 clears close-on-exec on the copy, so only fd 3 reaches the watchdog.
-                if source == DEADLINE_FD {
-                    fcntl(
-                        BorrowedFd::borrow_raw(source),
-                        FcntlArg::F_SETFD(FdFlag::empty()),
-                    )?;
-                } else if libc::dup2(source, DEADLINE_FD) < 0 {
-                    return Err(io::Error::last_os_error());
+                hand_down(source, MESSAGE_FD)?;
+                if let Some(kept) = kept {
+                    hand_down(kept, KEPT_FD)?;
                 }
                 Ok(())
             });
@@ -114,8 +279,8 @@ impl Watchdog {
         let child = cmd.spawn()?;
         drop(read_end);
         let mut pipe = File::from(write_end);
-        // Written before any deadline; far below the pipe's capacity, so it never blocks.
-        pipe.write_all(&encode_session(session))?;
+        // Written before any message; far below the pipe's capacity, so it never blocks.
+        pipe.write_all(&encode_handover(farewell))?;
         Ok(Watchdog {
             pipe,
             pid: Pid::from_raw(child.id() as i32),
@@ -126,88 +291,78 @@ impl Watchdog {
         self.pid
     }
 
-    /// Moves the deadline; called every time the lock is proven again.
-    pub fn extend(&mut self, dead_by: Instant) {
-        self.send(as_monotonic_ns(dead_by));
-    }
-
-    /// The guard is stopping the app itself: no more deadline. The watchdog stays until the guard
-    /// exits, as the switch for a guard killed during teardown.
-    pub fn disarm(&mut self) {
-        self.send(NO_DEADLINE);
-    }
-
-    /// The app is stopped and the guard exits on its own: no session to end when the pipe closes.
-    pub fn stand_down(&mut self) {
-        self.send(STAND_DOWN);
-    }
-
-    fn send(&mut self, deadline: u64) {
-        if let Err(e) = self.pipe.write_all(&deadline.to_le_bytes()) {
-            error!(event = "watchdog_unreachable", error = %e, "cannot reach the watchdog");
+    pub fn send(&mut self, message: Message) {
+        // Nine bytes, below PIPE_BUF: written whole or not at all. The watchdog reads every message
+        // as it comes, so the pipe never fills and the write never blocks.
+        match self.pipe.write_all(&message.encode()) {
+            Ok(()) => {}
+            // The watchdog has exited: the reaper reports that, with how it ended.
+            Err(e) if e.raw_os_error() == Some(libc::EPIPE) => {
+                debug!(error = %e, "watchdog gone; message not sent");
+            }
+            Err(e) => {
+                error!(event = "watchdog_unreachable", error = %e, "cannot reach the watchdog")
+            }
         }
     }
 }
 
-fn encode_session(session: Option<&OrphanSession>) -> Vec<u8> {
-    let Some(session) = session else {
-        return 0u32.to_le_bytes().to_vec();
-    };
-    let url = session.url.expose().as_bytes();
-    let mut bytes = Vec::with_capacity(url.len() + 12);
-    bytes.extend_from_slice(&(url.len() as u32).to_le_bytes());
-    bytes.extend_from_slice(url);
-    bytes.extend_from_slice(&session.connection_id.to_le_bytes());
-    let timeout_ms = u32::try_from(session.timeout.as_millis()).unwrap_or(u32::MAX);
-    bytes.extend_from_slice(&timeout_ms.to_le_bytes());
-    bytes
-}
-
-fn read_u32(pipe: &mut File) -> io::Result<u32> {
-    let mut buf = [0u8; 4];
-    pipe.read_exact(&mut buf)?;
-    Ok(u32::from_le_bytes(buf))
-}
-
-fn decode_session(pipe: &mut File) -> io::Result<Option<OrphanSession>> {
-    let len = read_u32(pipe)? as usize;
-    if len == 0 {
-        return Ok(None);
+/// Makes `source` the child's `target` fd, without close-on-exec. Async-signal-safe.
+fn hand_down(source: RawFd, target: RawFd) -> io::Result<()> {
+    if source == target {
+        // SAFETY: `source` is open in the child for the duration of this call.
+        fcntl(
+            unsafe { BorrowedFd::borrow_raw(source) },
+            FcntlArg::F_SETFD(FdFlag::empty()),
+        )?;
+    } else if unsafe { libc::dup2(source, target) } < 0 {
+        // dup2 clears close-on-exec on the copy.
+        return Err(io::Error::last_os_error());
     }
-    let mut url = vec![0u8; len];
-    pipe.read_exact(&mut url)?;
-    let url = String::from_utf8(url).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-    Ok(Some(OrphanSession {
-        url: SecretUrl::new(url),
-        connection_id: read_u32(pipe)?,
-        timeout: Duration::from_millis(u64::from(read_u32(pipe)?)),
-    }))
+    Ok(())
+}
+
+/// Every signal the watchdog ignores: all that can be caught, but the synchronous faults (which
+/// describe a bug of its own) and SIGCHLD (ignoring it would change how children are reaped).
+fn ignored_signals() -> impl Iterator<Item = i32> {
+    let faults = [
+        libc::SIGSEGV,
+        libc::SIGBUS,
+        libc::SIGILL,
+        libc::SIGFPE,
+        libc::SIGABRT,
+        libc::SIGTRAP,
+        libc::SIGSYS,
+        libc::SIGKILL,
+        libc::SIGSTOP,
+        libc::SIGCHLD,
+    ];
+    (1..=libc::SIGRTMAX()).filter(move |s| !faults.contains(s))
 }
 
 /// `sentinel-guard __watchdog <app-group> <stop-signal> <grace-ns>`.
-pub fn main(args: &[String]) -> ExitCode {
+pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
     let parsed = (|| {
         let group: i32 = args.first()?.parse().ok()?;
         let signal: Signal = args.get(1)?.parse().ok()?;
         let grace: u64 = args.get(2)?.parse().ok()?;
-        Some((Pid::from_raw(group), signal, grace))
+        (group > 1).then_some((Pid::from_raw(group), signal, Duration::from_nanos(grace)))
     })();
-    let Some((group, stop_signal, grace)) = parsed else {
-        eprintln!("sentinel-guard: __watchdog is internal to the guard");
+    // Run by hand, fd 3 is whatever the shell left there: never adopt a descriptor that is not the
+    // guard's pipe.
+    let is_pipe = fstat(unsafe { BorrowedFd::borrow_raw(MESSAGE_FD) })
+        .is_ok_and(|st| SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFIFO);
+    let (Some((group, stop_signal, grace)), true) = (parsed, is_pipe) else {
+        eprintln!("sentinel-guard: __watchdog is internal to the guard and cannot be run by hand");
         return ExitCode::from(crate::outcome::EXIT_USAGE);
     };
-    // Only the pipe ends the watchdog: a signal meant for the guard's group must not disarm it.
-    for ignored in [
-        Signal::SIGTERM,
-        Signal::SIGINT,
-        Signal::SIGHUP,
-        Signal::SIGQUIT,
-    ] {
-        // SAFETY: SIG_IGN installs no handler code.
-        let _ = unsafe { signal(ignored, SigHandler::SigIgn) };
+    for number in ignored_signals() {
+        // SAFETY: SIG_IGN installs no handler code. Real-time signals have no nix name, hence libc.
+        unsafe { libc::signal(number, libc::SIG_IGN) };
     }
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigIgn) };
     // SAFETY: fd 3 was handed over by the guard and is owned by this process alone.
-    let mut pipe = File::from(unsafe { OwnedFd::from_raw_fd(DEADLINE_FD) });
+    let mut pipe = File::from(unsafe { OwnedFd::from_raw_fd(MESSAGE_FD) });
     let context = |key| std::env::var(key).unwrap_or_default();
     let _span = info_span!(
         "watchdog",
@@ -217,108 +372,255 @@ pub fn main(args: &[String]) -> ExitCode {
         app_pid = group.as_raw(),
     )
     .entered();
-    match decode_session(&mut pipe) {
-        Ok(session) => watch(pipe, group, stop_signal, grace, session),
+    let Ok((keeps_fd, message)) = decode_handover(&mut pipe) else {
         // The guard died before it finished the hand-over.
-        Err(_) => guard_gone(group, None),
+        guard_gone(group, None, &[], farewell);
+        return ExitCode::SUCCESS;
+    };
+    // SAFETY: fd 4 was handed over with the flag that says so.
+    let kept = keeps_fd.then(|| unsafe { OwnedFd::from_raw_fd(KEPT_FD) });
+    let timer = match BootTimer::new() {
+        Ok(timer) => timer,
+        Err(e) => {
+            // Without a timer the switch cannot act on a frozen guard; the guard sees it end.
+            error!(event = "watchdog_failed", error = %e, "watchdog cannot create its timer");
+            return ExitCode::from(crate::outcome::EXIT_INTERNAL);
+        }
+    };
+    let mut switch = Switch::new(grace);
+    match watch(&mut pipe, timer, group, stop_signal, &mut switch) {
+        Ended::Acted => ExitCode::from(EXIT_ACTED),
+        Ended::StoodDown => ExitCode::SUCCESS,
+        Ended::GuardGone => {
+            let message = if switch.farewell { &message[..] } else { &[] };
+            let kept = if switch.farewell { kept } else { None };
+            guard_gone(group, kept, message, farewell);
+            ExitCode::SUCCESS
+        }
     }
-    ExitCode::SUCCESS
+}
+
+enum Ended {
+    Acted,
+    StoodDown,
+    GuardGone,
 }
 
 fn watch(
-    mut pipe: File,
+    pipe: &mut File,
+    mut timer: BootTimer,
     group: Pid,
     stop_signal: Signal,
-    grace_ns: u64,
-    mut session: Option<OrphanSession>,
-) {
-    let mut dead_by = NO_DEADLINE;
-    let mut buf = [0u8; 8];
+    switch: &mut Switch,
+) -> Ended {
     loop {
-        let timeout = if dead_by >= STAND_DOWN {
-            PollTimeout::NONE
-        } else {
-            let stop_at = dead_by
-                .saturating_sub(grace_ns)
-                .saturating_add(SLACK.as_nanos() as u64)
-                .min(dead_by);
-            let now = monotonic_ns();
-            if now >= stop_at {
-                return stop_group(group, stop_signal, dead_by);
+        // The clock first: after a freeze, the deadline that passed is acted on before any later
+        // deadline the guard may have written meanwhile is read.
+        match switch.due(Deadline::now()) {
+            Action::Kill if switch.teardown => {
+                let _ = killpg(group, Signal::SIGKILL);
+                switch.killed_in_teardown();
+                warn!(
+                    event = "watchdog_killed_app",
+                    "the guard's teardown reached its deadline; watchdog sent SIGKILL to the app's process group"
+                );
             }
-            PollTimeout::from(((stop_at - now) / 1_000_000 + 1).min(u64::from(u16::MAX)) as u16)
-        };
-        let mut fds = [PollFd::new(pipe.as_fd(), PollFlags::POLLIN)];
-        match poll(&mut fds, timeout) {
-            Ok(0) | Err(Errno::EINTR) => continue,
-            Ok(_) => {}
-            Err(_) => return,
+            Action::Kill => {
+                let _ = killpg(group, Signal::SIGKILL);
+                error!(
+                    event = "watchdog_killed_app",
+                    reason = LossReason::GuardFrozen.as_str(),
+                    "lock deadline passed with the guard unresponsive; watchdog sent SIGKILL to the app's process group"
+                );
+                return Ended::Acted;
+            }
+            Action::Stop => {
+                let _ = killpg(group, stop_signal);
+                switch.stop_sent();
+                error!(
+                    event = "watchdog_stopping_app",
+                    reason = LossReason::GuardFrozen.as_str(),
+                    signal = stop_signal.as_str(),
+                    "guard unresponsive while its lock runs out; watchdog sent the stop signal to the app"
+                );
+                continue;
+            }
+            Action::Nothing => {}
         }
-        match pipe.read_exact(&mut buf) {
-            Ok(()) => dead_by = u64::from_le_bytes(buf),
-            Err(_) => return guard_gone(group, session.as_ref()),
+        if timer.arm(switch.next_wake()).is_err() {
+            // Re-checked at least every 10ms instead.
+            std::thread::sleep(Duration::from_millis(10));
         }
-        if dead_by == STAND_DOWN {
-            session = None;
+        let mut fds = [
+            PollFd::new(pipe.as_fd(), PollFlags::POLLIN),
+            PollFd::new(timer.as_fd(), PollFlags::POLLIN),
+        ];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) | Err(Errno::EINTR) => {}
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+        let message_waiting = fds[0].any().unwrap_or(false);
+        if !message_waiting || switch.due(Deadline::now()) != Action::Nothing {
+            continue;
+        }
+        let mut bytes = [0u8; MESSAGE_LEN];
+        if pipe.read_exact(&mut bytes).is_err() {
+            return Ended::GuardGone;
+        }
+        match Message::decode(bytes) {
+            Some(Message::StandDown) => return Ended::StoodDown,
+            Some(message) => switch.apply(message, Deadline::now()),
+            None => warn!(
+                event = "watchdog_bad_message",
+                "watchdog ignored a message it does not know"
+            ),
         }
     }
 }
 
-/// The guard has exited; if it died without tearing the app down, nothing else will. If it died
-/// holding a MySQL lock, its session is ended once nothing of the app is left.
-fn guard_gone(group: Pid, session: Option<&OrphanSession>) {
+/// The guard has exited; if it died without tearing the app down, nothing else will. Once nothing
+/// of the app's group is left, the lock may go: the kept descriptor is closed and the farewell said.
+fn guard_gone(group: Pid, kept: Option<OwnedFd>, message: &[u8], farewell: FarewellRunner) {
     if killpg(group, Signal::SIGKILL).is_ok() {
         warn!(
             event = "watchdog_killed_orphans",
             "guard gone; watchdog killed what was left of the app's process group"
         );
     }
-    let Some(session) = session else { return };
-    let deadline = std::time::Instant::now() + GROUP_GONE_WAIT;
-    while super::tree::live_group_members(group) > 0 {
-        if std::time::Instant::now() >= deadline {
-            warn!(
-                event = "watchdog_left_session",
-                connection_id = session.connection_id,
-                "app processes outlived SIGKILL; the server frees the lock when it notices the dead session"
-            );
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(5));
+    if kept.is_none() && message.is_empty() {
+        return;
     }
-    match session.end() {
-        Ok(()) => info!(
-            event = "watchdog_ended_session",
-            connection_id = session.connection_id,
-            "guard died holding the lock; watchdog ended its session so the lock is free at once"
+    // Until the group is empty the lock must stay taken, however long a process takes to die.
+    let waiting_since = Deadline::now();
+    let mut warned = false;
+    while super::tree::live_group_members(group) > 0 {
+        if !warned && waiting_since.elapsed() >= GROUP_GONE_WARN {
+            warned = true;
+            warn!(
+                event = "watchdog_waiting",
+                "app processes outlive SIGKILL; the lock stays held until they are gone"
+            );
+        }
+        std::thread::sleep(GROUP_GONE_POLL);
+    }
+    drop(kept);
+    if message.is_empty() {
+        return;
+    }
+    match farewell(message) {
+        Ok(done) => info!(
+            event = "watchdog_farewell",
+            done = %done,
+            "guard died holding the lock; watchdog freed it once the app was gone"
         ),
         Err(e) => warn!(
-            event = "watchdog_left_session",
-            connection_id = session.connection_id,
+            event = "watchdog_farewell_failed",
             error = %e,
-            "cannot end the dead guard's session; the server frees the lock when it notices"
+            "cannot free the dead guard's lock; the backend frees it when it notices"
         ),
     }
 }
 
-fn stop_group(group: Pid, stop_signal: Signal, dead_by: u64) {
-    error!(
-        event = "watchdog_stopping_app",
-        reason = crate::metrics::GUARD_FROZEN,
-        "guard unresponsive while its lock runs out; watchdog stopping the app"
-    );
-    let _ = killpg(group, stop_signal);
-    loop {
-        let now = monotonic_ns();
-        if now >= dead_by || killpg(group, None) == Err(Errno::ESRCH) {
-            break;
-        }
-        std::thread::sleep(Duration::from_nanos((dead_by - now).min(10_000_000)));
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(ms: u64) -> Deadline {
+        Deadline::from_nanos(1_000_000_000_000 + ms * 1_000_000)
     }
-    if killpg(group, Signal::SIGKILL).is_ok() {
-        info!(
-            event = "watchdog_killed_app",
-            "watchdog sent SIGKILL at the lock's deadline"
+
+    #[test]
+    fn messages_round_trip_and_unknown_tags_are_refused() {
+        for message in [
+            Message::LockDeadline(at(5)),
+            Message::KillBy(Deadline::NEVER),
+            Message::LockLost,
+            Message::StandDown,
+        ] {
+            assert_eq!(Message::decode(message.encode()), Some(message));
+        }
+        let mut bad = Message::LockLost.encode();
+        bad[0] = 9;
+        assert_eq!(Message::decode(bad), None);
+    }
+
+    #[test]
+    fn handover_round_trips() {
+        let farewell = Farewell {
+            message: b"mysql://secret".to_vec(),
+            keep: None,
+        };
+        let bytes = encode_handover(&farewell);
+        assert_eq!(
+            decode_handover(&mut &bytes[..]).unwrap(),
+            (false, b"mysql://secret".to_vec())
         );
+        assert!(decode_handover(&mut &bytes[..3]).is_err());
+    }
+
+    #[test]
+    fn a_silent_guard_gets_the_stop_signal_then_sigkill() {
+        let mut switch = Switch::new(Duration::from_secs(5));
+        assert_eq!(switch.due(at(0)), Action::Nothing, "no deadline yet");
+        switch.apply(Message::LockDeadline(at(10_000)), at(0));
+        assert_eq!(switch.due(at(5_000)), Action::Nothing);
+        assert_eq!(switch.next_wake(), at(5_200));
+        assert_eq!(switch.due(at(5_200)), Action::Stop);
+        switch.stop_sent();
+        assert_eq!(switch.due(at(6_000)), Action::Nothing, "stop is sent once");
+        // A guard that wakes up late cannot call the stop off.
+        switch.apply(Message::LockDeadline(at(20_000)), at(6_000));
+        assert_eq!(switch.next_wake(), at(10_000));
+        assert_eq!(switch.due(at(10_000)), Action::Kill);
+    }
+
+    #[test]
+    fn a_passed_deadline_is_never_replaced() {
+        let mut switch = Switch::new(Duration::from_secs(5));
+        switch.apply(Message::LockDeadline(at(10_000)), at(0));
+        // Frozen past the deadline: the later deadline the guard wrote is read only after the thaw.
+        switch.apply(Message::LockDeadline(at(40_000)), at(30_000));
+        assert_eq!(switch.due(at(30_000)), Action::Kill);
+        switch.apply(Message::KillBy(at(35_000)), at(30_000));
+        assert_eq!(switch.due(at(30_000)), Action::Kill);
+    }
+
+    #[test]
+    fn teardown_keeps_the_switch_armed_without_a_second_stop_signal() {
+        let mut switch = Switch::new(Duration::from_secs(5));
+        switch.apply(Message::LockDeadline(at(10_000)), at(0));
+        switch.apply(Message::KillBy(at(3_000)), at(1_000));
+        assert_eq!(switch.due(at(2_999)), Action::Nothing);
+        assert_eq!(switch.next_wake(), at(3_000));
+        assert_eq!(switch.due(at(3_000)), Action::Kill);
+        // Deadlines proven during teardown do not move the kill later.
+        switch.apply(Message::LockDeadline(at(50_000)), at(2_000));
+        assert_eq!(switch.due(at(3_000)), Action::Kill);
+        // A kill during teardown backs the guard up: it is not a frozen guard's, and nothing
+        // more is due until the stand-down.
+        assert!(switch.teardown);
+        switch.killed_in_teardown();
+        assert_eq!(switch.due(at(60_000)), Action::Nothing);
+        assert_eq!(switch.next_wake(), Deadline::NEVER);
+        // A kill-by never moves the deadline later either.
+        let mut switch = Switch::new(Duration::from_secs(5));
+        switch.apply(Message::LockDeadline(at(2_000)), at(0));
+        switch.apply(Message::KillBy(at(6_000)), at(1_000));
+        assert_eq!(switch.due(at(2_000)), Action::Kill);
+    }
+
+    #[test]
+    fn without_a_lock_deadline_teardown_still_arms_the_kill() {
+        let mut switch = Switch::new(Duration::from_secs(5));
+        switch.apply(Message::KillBy(at(1_000)), at(0));
+        assert_eq!(switch.due(at(1_000)), Action::Kill);
+    }
+
+    #[test]
+    fn a_lost_lock_gets_no_farewell() {
+        let mut switch = Switch::new(Duration::from_secs(5));
+        assert!(switch.farewell);
+        switch.apply(Message::LockLost, at(0));
+        assert!(!switch.farewell);
     }
 }

@@ -1,0 +1,115 @@
+//! The words logs, metrics and exit codes share: why a lock stopped being ours, and how the app
+//! ended. A leaf module: it imports nothing of the crate, so every other module may use it.
+
+use std::fmt;
+
+use nix::libc;
+use nix::sys::signal::Signal;
+
+/// Why a held lock stopped being ours, or why the guard could no longer vouch for it. The names
+/// appear in logs as `reason=...` and as the `reason` label of `lock_lost_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LossReason {
+    /// The server closed the connection that held the lock (`KILL`, restart, crash).
+    ConnectionClosed,
+    /// The backend answered that someone else, or no one, holds the lock.
+    NotOwner,
+    /// The backend did not answer a check within check-interval + check-timeout, or answered later.
+    CheckTimeout,
+    /// The backend answered a check with an error.
+    CheckFailed,
+    /// No Redis renewal was confirmed in time: the lease could run out before a stopping app is dead.
+    LeaseExpiring,
+    /// The lock file's path no longer exists.
+    LockFileDeleted,
+    /// The lock file's path now names a different file than the one locked.
+    LockFileReplaced,
+    /// The lock's deadline passed before ownership was proven again (the guard or its whole
+    /// container was frozen, the host suspended): the app is SIGKILLed at once, with no grace.
+    DeadlinePassed,
+    /// The guard was unresponsive while its lock ran out, and its watchdog stopped the app.
+    GuardFrozen,
+    /// The watchdog, the app's dead man's switch, is gone: the app must not run without it.
+    WatchdogDied,
+}
+
+impl LossReason {
+    pub const ALL: [LossReason; 10] = [
+        LossReason::ConnectionClosed,
+        LossReason::NotOwner,
+        LossReason::CheckTimeout,
+        LossReason::CheckFailed,
+        LossReason::LeaseExpiring,
+        LossReason::LockFileDeleted,
+        LossReason::LockFileReplaced,
+        LossReason::DeadlinePassed,
+        LossReason::GuardFrozen,
+        LossReason::WatchdogDied,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LossReason::ConnectionClosed => "connection_closed",
+            LossReason::NotOwner => "not_owner",
+            LossReason::CheckTimeout => "check_timeout",
+            LossReason::CheckFailed => "check_failed",
+            LossReason::LeaseExpiring => "lease_expiring",
+            LossReason::LockFileDeleted => "lock_file_deleted",
+            LossReason::LockFileReplaced => "lock_file_replaced",
+            LossReason::DeadlinePassed => "deadline_passed",
+            LossReason::GuardFrozen => "guard_frozen",
+            LossReason::WatchdogDied => "watchdog_died",
+        }
+    }
+}
+
+impl fmt::Display for LossReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AppStatus {
+    Exited(u8),
+    Signaled(i32),
+}
+
+impl AppStatus {
+    /// The shell's convention: the exit code, or 128+N for death by signal N.
+    pub fn code(self) -> u8 {
+        match self {
+            AppStatus::Exited(code) => code,
+            AppStatus::Signaled(signal) => 128u8.wrapping_add(signal as u8),
+        }
+    }
+
+    /// From a raw `wait` status; `None` for a stop or continue report.
+    pub fn from_wait(raw: i32) -> Option<AppStatus> {
+        if libc::WIFEXITED(raw) {
+            Some(AppStatus::Exited(libc::WEXITSTATUS(raw) as u8))
+        } else if libc::WIFSIGNALED(raw) {
+            Some(AppStatus::Signaled(libc::WTERMSIG(raw)))
+        } else {
+            None
+        }
+    }
+}
+
+impl fmt::Display for AppStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AppStatus::Exited(code) => write!(f, "exited with code {code}"),
+            AppStatus::Signaled(signal) => write!(f, "killed by {}", signal_name(*signal)),
+        }
+    }
+}
+
+/// `SIGTERM`, or `SIGRTMIN+N` for the real-time signals nix cannot name.
+pub fn signal_name(signal: i32) -> String {
+    match Signal::try_from(signal) {
+        Ok(named) => named.as_str().to_owned(),
+        Err(_) => format!("SIGRTMIN+{}", signal - libc::SIGRTMIN()),
+    }
+}
