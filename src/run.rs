@@ -172,7 +172,8 @@ impl Guard<'_> {
         }
         info!(event = "takeover_delay", delay = %humantime::format_duration(delay), "lock acquired; holding it for the takeover delay before starting the app");
         tokio::select! {
-            _ = tokio::time::sleep(delay) => Ok(held),
+            // A loss reported as the delay ends must win over the delay's end.
+            biased;
             loss = held.lost() => {
                 self.metrics.lock_lost(loss.reason);
                 error!(event = "lock_lost", reason = %loss.reason, detail = %loss.detail, "lock lost during the takeover delay; the app was not started");
@@ -183,6 +184,7 @@ impl Guard<'_> {
                 self.release_unused(Some(held)).await;
                 Err(Outcome::StoppedBeforeStart)
             }
+            _ = tokio::time::sleep(delay) => Ok(held),
         }
     }
 
@@ -232,6 +234,11 @@ impl Guard<'_> {
                 return Outcome::Internal;
             }
         };
+        if let Some(loss) = held.as_ref().and_then(HeldLock::known_lost) {
+            self.metrics.lock_lost(loss.reason);
+            error!(event = "lock_lost", reason = %loss.reason, detail = %loss.detail, "lock lost before the app was started; the app was not started");
+            return Outcome::LockLost;
+        }
         let started = {
             let farewell = match &held {
                 Some(lock) => lock.farewell(),
@@ -374,9 +381,9 @@ impl Guard<'_> {
             .app
             .map_or_else(|| "unknown".to_owned(), |s| s.to_string());
         info!(event = "app_stopped", status = %status, "app process tree is gone");
-        if stopped.watchdog_acted
-            && !matches!(&ending, Ending::Lost(loss) if loss.reason == LossReason::GuardFrozen)
-        {
+        // A lock already counted as lost (its deadline passed, the watchdog acted) is not counted
+        // again; an app that seemed to end on its own was in fact stopped by the watchdog.
+        if stopped.watchdog_acted && !matches!(&ending, Ending::Lost(_)) {
             // The guard learns it from the watchdog itself, not from a deadline that may have moved.
             self.metrics.lock_lost(LossReason::GuardFrozen);
             error!(

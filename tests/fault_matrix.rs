@@ -13,6 +13,7 @@ use std::fs;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use common::freeze::Freezer;
 use common::mariadb::MariaDb;
 use common::proxy::Proxy;
 use common::redis::Redis;
@@ -41,6 +42,9 @@ impl Kind {
 enum Fault {
     GuardKill,
     GuardFreeze,
+    /// The guard, its app and its watchdog frozen together (the cgroup freezer, as `docker pause`),
+    /// thawed once the standby holds the lock.
+    TreeFreeze,
     ServerKill,
     ServerFreeze,
     ServerRestart,
@@ -137,10 +141,17 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
     };
     let leader_args = args(&leader_url, &[]);
     let standby_args = args(&direct, &["--wait", "--takeover-delay", TAKEOVER_DELAY]);
-    let mut leader = lab.spawn(
+    let cgroup = (fault == Fault::TreeFreeze).then(Freezer::create);
+    let leader_cmd = lab.command(
         &as_strs(&leader_args),
         &as_strs(&slow_stopping_app(&trace, &lead_pid)),
     );
+    let mut leader = lab.start(match &cgroup {
+        Some(cgroup) => cgroup.command(&leader_cmd),
+        None => leader_cmd,
+    });
+    // Declared after the leader so it is dropped first: a frozen guard could not be waited for.
+    let cgroup = cgroup;
     let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
     let mut standby = lab.spawn(
         &as_strs(&standby_args),
@@ -158,6 +169,7 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
     match fault {
         Fault::GuardKill => leader.signal(9),
         Fault::GuardFreeze => leader.signal(19),
+        Fault::TreeFreeze => cgroup.as_ref().unwrap().freeze(),
         Fault::ServerKill => match &mut backend {
             Backend::Mysql(db) => db.kill9(),
             Backend::Redis(redis) => redis.kill9(),
@@ -205,7 +217,22 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
     }
 
     let limit = Duration::from_secs(20);
-    let detect = wait_until(limit, || !alive(lead_app)).then(|| faulted.elapsed());
+    // A frozen tree stays frozen until the backend has given the lock to the standby (which then
+    // holds it through its takeover delay); detection is measured from the thaw.
+    let detect_from = if fault == Fault::TreeFreeze {
+        assert!(
+            wait_until(Duration::from_secs(40), || standby
+                .log_text()
+                .contains("event=\"takeover_delay\"")),
+            "{kind:?}: the standby never took the frozen leader's lock: {}",
+            standby.log_text()
+        );
+        cgroup.as_ref().unwrap().thaw();
+        Instant::now()
+    } else {
+        faulted
+    };
+    let detect = wait_until(limit, || !alive(lead_app)).then(|| detect_from.elapsed());
     // A SIGKILLed app records no stop; the moment its death was seen is a late, hence safe, stand-in.
     if detect.is_some() && !trace_lines(&trace).contains(&format!("stop {lead_app}")) {
         let mut file = fs::OpenOptions::new().append(true).open(&trace).unwrap();
@@ -239,7 +266,7 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
         "{kind:?} {fault:?}: standby took over? log:\n{}",
         standby.log_text()
     );
-    if fault == Fault::GuardFreeze {
+    if fault == Fault::GuardFreeze || fault == Fault::TreeFreeze {
         leader.signal(18);
         assert_eq!(
             leader.code(Duration::from_secs(10)),
@@ -335,6 +362,20 @@ fn guard_frozen() {
     row(
         Fault::GuardFreeze,
         "guard SIGSTOP",
+        &[
+            (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Redis, STOPS_AND_HANDS_OVER),
+        ],
+    );
+}
+
+#[test]
+fn whole_tree_frozen() {
+    // Thawed once the standby holds the lock: the old app must die at once (no grace period), before
+    // the standby's takeover delay ends. A frozen flock is never granted elsewhere: n/a for files.
+    row(
+        Fault::TreeFreeze,
+        "whole tree frozen (cgroup freezer) past the lock's life; detect counted from the thaw",
         &[
             (Kind::Mysql, STOPS_AND_HANDS_OVER),
             (Kind::Redis, STOPS_AND_HANDS_OVER),

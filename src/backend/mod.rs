@@ -276,6 +276,23 @@ impl HeldLock {
         }
     }
 
+    /// Whether the lock is already known to be lost, without waiting: checked right before the app
+    /// is started, so it never starts on a lock that is gone, nor on one whose deadline has passed.
+    pub fn known_lost(&self) -> Option<LockLoss> {
+        let reported = match self {
+            HeldLock::Mysql(lock) => lock.reported_loss(),
+            HeldLock::Redis(lock) => lock.reported_loss(),
+            HeldLock::File(_) => None,
+        };
+        reported.or_else(|| {
+            let deadline = *self.app_deadline()?.borrow();
+            deadline.has_passed().then(|| LockLoss {
+                reason: LossReason::DeadlinePassed,
+                detail: "the lock's deadline passed before the app was started".to_owned(),
+            })
+        })
+    }
+
     /// Resolves once the lock is no longer ours. Cancel-safe: may be polled again after a drop.
     pub async fn lost(&mut self) -> LockLoss {
         match self {

@@ -119,8 +119,10 @@ pub async fn acquire(
         } else {
             patience.cap(WAIT_CHUNK)
         };
+        let sent = Deadline::now();
+        let budget = chunk + timings.check_timeout;
         let got = timeout(
-            chunk + timings.check_timeout,
+            budget,
             conn.exec_first::<Option<i64>, _, _>(
                 "SELECT GET_LOCK(?, ?)",
                 (name, chunk.as_secs_f64()),
@@ -128,6 +130,15 @@ pub async fn acquire(
         )
         .await;
         let error = match got {
+            // Granted, but read after a freeze: the server may have ended the silent session and
+            // granted the lock elsewhere since. Dropping the connection gives it back.
+            Ok(Ok(Some(Some(1)))) if sent.elapsed() > budget => LockError::Unreachable(format!(
+                "{}: GET_LOCK answered after {}, too late to rely on; the session is closed",
+                target.url,
+                humantime::format_duration(
+                    Duration::from_millis(sent.elapsed().as_millis() as u64)
+                )
+            )),
             Ok(Ok(Some(Some(1)))) => {
                 info!(
                     event = "lock_acquired",
@@ -311,6 +322,8 @@ struct SessionFarewell {
     url: SecretUrl,
     connection_id: u32,
     name: String,
+    /// The dead guard's holder id, which its outstanding check query carries in a comment.
+    holder_id: String,
     timeout: Duration,
 }
 
@@ -324,9 +337,11 @@ impl SessionFarewell {
         bytes.extend_from_slice(&self.connection_id.to_le_bytes());
         let timeout_ms = u32::try_from(self.timeout.as_millis()).unwrap_or(u32::MAX);
         bytes.extend_from_slice(&timeout_ms.to_le_bytes());
-        // Lock names are at most 64 bytes (validated), so one length byte is enough.
-        bytes.push(self.name.len() as u8);
-        bytes.extend_from_slice(self.name.as_bytes());
+        // Lock names (at most 64 bytes, validated) and holder ids (hex) fit one length byte.
+        for field in [&self.name, &self.holder_id] {
+            bytes.push(field.len() as u8);
+            bytes.extend_from_slice(field.as_bytes());
+        }
         bytes.extend_from_slice(url);
         bytes
     }
@@ -338,13 +353,21 @@ impl SessionFarewell {
         }
         let connection_id = u32::from_le_bytes(rest[0..4].try_into().ok()?);
         let timeout_ms = u32::from_le_bytes(rest[4..8].try_into().ok()?);
-        let name_len = usize::from(rest[8]);
-        let name = std::str::from_utf8(rest.get(9..9 + name_len)?).ok()?;
-        let url = std::str::from_utf8(rest.get(9 + name_len..)?).ok()?;
+        let mut rest = &rest[8..];
+        let mut field = || {
+            let (&len, tail) = rest.split_first()?;
+            let value = std::str::from_utf8(tail.get(..usize::from(len))?).ok()?;
+            rest = &tail[usize::from(len)..];
+            Some(value.to_owned())
+        };
+        let name = field()?;
+        let holder_id = field()?;
+        let url = std::str::from_utf8(rest).ok()?;
         Some(SessionFarewell {
             url: SecretUrl::new(url.to_owned()),
             connection_id,
-            name: name.to_owned(),
+            name,
+            holder_id,
             timeout: Duration::from_millis(u64::from(timeout_ms)),
         })
     }
@@ -383,6 +406,26 @@ impl SessionFarewell {
                 self.connection_id
             ));
         }
+        // The same id could be a stranger's after a server restart; the dead guard's session is
+        // the one whose outstanding check names its holder id. A session with no query running
+        // ends on its own the moment its client's socket closes.
+        let info: Option<Option<String>> = timeout(
+            self.timeout,
+            conn.exec_first(
+                "SELECT INFO FROM information_schema.PROCESSLIST WHERE ID = ?",
+                (self.connection_id,),
+            ),
+        )
+        .await
+        .map_err(|_| "no answer to the process list query".to_owned())?
+        .map_err(|e| target.url.scrub(e))?;
+        let ours = format!("holder_id={} ", self.holder_id);
+        if !info.flatten().is_some_and(|query| query.contains(&ours)) {
+            return Ok(format!(
+                "left connection {} alone: it is not running the dead guard's check",
+                self.connection_id
+            ));
+        }
         let kill = format!("KILL CONNECTION {}", self.connection_id);
         match timeout(self.timeout, conn.query_drop(kill)).await {
             Err(_) => Err(format!(
@@ -416,6 +459,7 @@ impl MysqlLock {
             url: target.secret.clone(),
             connection_id: conn.id(),
             name: request.name.as_str().to_owned(),
+            holder_id: request.holder.id.clone(),
             timeout: request.timings.connect_timeout,
         }
         .encode();
@@ -445,6 +489,10 @@ impl MysqlLock {
 
     pub async fn lost(&mut self) -> LockLoss {
         self.watched.lost().await
+    }
+
+    pub fn reported_loss(&self) -> Option<LockLoss> {
+        self.watched.reported_loss()
     }
 
     pub async fn release(self) -> Result<(), LockError> {
@@ -533,8 +581,15 @@ impl Watcher {
                 // rather than its SLEEP); release all the same, which logs how the session ended.
                 (_, true) => return self.release(conn).await,
                 (Check::Lost(loss), false) => {
+                    let closed = loss.reason == LossReason::ConnectionClosed;
                     ends.report(loss);
-                    // A connection that timed out or failed is never reused; dropping it closes it.
+                    if !closed {
+                        // Closing the session would free the lock on the server at once, while the
+                        // app may still be inside its grace period: the session stays open, unused,
+                        // until the guard is done with the lock (after teardown). The server's
+                        // wait_timeout still bounds how long it keeps a silent one.
+                        let _ = (&mut ends.release).await;
+                    }
                     return Ok(());
                 }
             }
@@ -659,12 +714,14 @@ mod tests {
             url: SecretUrl::new("mysql://sg:pw@db:3306/app".to_owned()),
             connection_id: 4_000_000_001,
             name: "billing".to_owned(),
+            holder_id: "27e1d7a4c2e445db".to_owned(),
             timeout: Duration::from_millis(1500),
         };
         let decoded = SessionFarewell::decode(&farewell.encode()).unwrap();
         assert_eq!(decoded.url.expose(), "mysql://sg:pw@db:3306/app");
         assert_eq!(decoded.connection_id, 4_000_000_001);
         assert_eq!(decoded.name, "billing");
+        assert_eq!(decoded.holder_id, "27e1d7a4c2e445db");
         assert_eq!(decoded.timeout, Duration::from_millis(1500));
         assert!(SessionFarewell::decode(b"").is_none());
         assert!(SessionFarewell::decode(b"x12345678").is_none());

@@ -446,6 +446,10 @@ impl RedisLock {
         self.watched.lost().await
     }
 
+    pub fn reported_loss(&self) -> Option<LockLoss> {
+        self.watched.reported_loss()
+    }
+
     pub async fn release(self) -> Result<(), LockError> {
         self.watched.release().await
     }

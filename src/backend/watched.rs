@@ -71,6 +71,11 @@ impl WatchedLock {
         self.dead_by.clone()
     }
 
+    /// The loss the watcher has reported, if any, without waiting.
+    pub fn reported_loss(&self) -> Option<LockLoss> {
+        self.lost.borrow().clone()
+    }
+
     /// Resolves once the watcher reports the lock lost. Cancel-safe.
     pub async fn lost(&mut self) -> LockLoss {
         match self.lost.wait_for(Option::is_some).await {

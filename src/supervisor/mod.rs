@@ -128,6 +128,10 @@ impl Supervisor {
     pub async fn next_event(&mut self) -> Event {
         loop {
             self.reaper.reap();
+            if self.watchdog.jammed() && !self.watchdog_reported {
+                self.watchdog_reported = true;
+                return Event::WatchdogEnded { acted: false };
+            }
             if let (Some(status), false) = (self.reaper.watchdog_status(), self.watchdog_reported) {
                 self.watchdog_reported = true;
                 return Event::WatchdogEnded {
@@ -162,7 +166,7 @@ impl Supervisor {
     /// SIGKILL to the app's group and every other process left below the guard; supervision goes
     /// on until the app's exit is seen.
     pub fn kill_all(&mut self) {
-        let _ = killpg(self.app, Signal::SIGKILL);
+        signal_app(self.app, Signal::SIGKILL);
         for pid in self.reaper.reap() {
             let _ = kill(pid, Signal::SIGKILL);
         }
@@ -222,7 +226,7 @@ async fn teardown(
     } else {
         signal
     };
-    let _ = killpg(app, current);
+    signal_app(app, current);
     announce();
     let mut signalled: HashSet<Pid> = HashSet::new();
     let mut kill_timer = AsyncBootTimer::new(kill_by).ok();
@@ -234,6 +238,7 @@ async fn teardown(
         }
         // Processes that left the app's group, and orphans handed to the guard: each gets the
         // current signal once. They are the guard's children, unreaped, so their pids are theirs.
+        signalled.retain(|pid| left.contains(pid));
         for pid in left {
             if signalled.insert(pid) {
                 let _ = kill(pid, current);
@@ -257,13 +262,22 @@ async fn teardown(
         }
         if current != Signal::SIGKILL && kill_by.has_passed() {
             current = Signal::SIGKILL;
-            let _ = killpg(app, current);
+            signal_app(app, current);
             signalled.clear();
             warn!(
                 event = "killing_app",
                 "app processes outlived their stop deadline; sending SIGKILL"
             );
         }
+    }
+}
+
+/// The app's group, and the app itself should it have left its group. Its pid is not reaped before
+/// teardown ends, so neither number can name another process.
+fn signal_app(app: Pid, signal: Signal) {
+    let _ = killpg(app, signal);
+    if nix::unistd::getpgid(Some(app)).is_ok_and(|group| group != app) {
+        let _ = kill(app, signal);
     }
 }
 

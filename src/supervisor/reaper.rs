@@ -54,20 +54,28 @@ impl Reaper {
     /// children still alive other than the app and the watchdog: what is left of the app's tree
     /// besides the app itself.
     pub fn reap(&mut self) -> Vec<Pid> {
+        // The app first: its children are handed to the guard in the same step that makes it a
+        // zombie, so once it is seen ended, the children list read next already holds them. The
+        // other order could see the app ended but not yet its children, and call the tree gone.
+        if let (Some(app), None) = (self.app, self.app_status) {
+            self.app_status = peek(app);
+        }
         let mut alive = Vec::new();
         for child in tree::children() {
             if Some(child) == self.app {
                 continue;
             }
+            let is_watchdog = Some(child) == self.watchdog;
             match wait(child, libc::WNOHANG) {
-                Some(status) if Some(child) == self.watchdog => self.watchdog_status = Some(status),
+                Some(status) if is_watchdog => {
+                    self.watchdog_status = Some(status);
+                    // Reaped: its pid is free for any process now, which must not be mistaken for it.
+                    self.watchdog = None;
+                }
                 Some(status) => debug!(pid = child.as_raw(), %status, "reaped descendant"),
-                None if Some(child) == self.watchdog => {}
+                None if is_watchdog => {}
                 None => alive.push(child),
             }
-        }
-        if let (Some(app), None) = (self.app, self.app_status) {
-            self.app_status = peek(app);
         }
         alive
     }

@@ -34,7 +34,7 @@ use nix::errno::Errno;
 use nix::fcntl::{fcntl, FcntlArg, FdFlag, OFlag};
 use nix::libc;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-use nix::sys::signal::{killpg, signal, SigHandler, Signal};
+use nix::sys::signal::{killpg, Signal};
 use nix::sys::stat::{fstat, SFlag};
 use nix::unistd::{pipe2, Pid};
 use tracing::{debug, error, info, info_span, warn};
@@ -236,6 +236,9 @@ fn decode_handover(pipe: &mut impl Read) -> io::Result<(bool, Vec<u8>)> {
 pub struct Watchdog {
     pipe: File,
     pid: Pid,
+    /// A message could not be written because the pipe is full: the watchdog has stopped reading
+    /// (stopped or stuck), so it can no longer be counted on.
+    jammed: bool,
 }
 
 impl Watchdog {
@@ -264,11 +267,21 @@ impl Watchdog {
         for key in hidden {
             cmd.env_remove(key);
         }
+        // Never blocks the guard: a watchdog that stops reading must not stall checks and kills.
+        fcntl(&write_end, FcntlArg::F_SETFL(OFlag::O_NONBLOCK))?;
         let source = read_end.as_raw_fd();
         let kept = farewell.keep.map(|fd| fd.as_raw_fd());
         // SAFETY: between fork and exec only async-signal-safe calls, no allocation.
         unsafe {
             cmd.pre_exec(move || {
+                // Ignored before exec, and ignored dispositions survive exec: a signal sent to the
+                // guard's group while the watchdog starts up cannot kill it either.
+                for number in ignored_signals() {
+                    libc::signal(number, libc::SIG_IGN);
+                }
+                // Both moved out of the way first, so placing one cannot overwrite the other.
+                let source = park(source)?;
+                let kept = kept.map(park).transpose()?;
                 hand_down(source, MESSAGE_FD)?;
                 if let Some(kept) = kept {
                     hand_down(kept, KEPT_FD)?;
@@ -284,11 +297,16 @@ impl Watchdog {
         Ok(Watchdog {
             pipe,
             pid: Pid::from_raw(child.id() as i32),
+            jammed: false,
         })
     }
 
     pub fn pid(&self) -> Pid {
         self.pid
+    }
+
+    pub fn jammed(&self) -> bool {
+        self.jammed
     }
 
     pub fn send(&mut self, message: Message) {
@@ -300,10 +318,26 @@ impl Watchdog {
             Err(e) if e.raw_os_error() == Some(libc::EPIPE) => {
                 debug!(error = %e, "watchdog gone; message not sent");
             }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                self.jammed = true;
+                error!(
+                    event = "watchdog_unreachable",
+                    "the watchdog has stopped reading its messages"
+                );
+            }
             Err(e) => {
                 error!(event = "watchdog_unreachable", error = %e, "cannot reach the watchdog")
             }
         }
+    }
+}
+
+/// A close-on-exec copy of `fd` numbered 10 or above, clear of the fds being placed. Async-signal-safe.
+fn park(fd: RawFd) -> io::Result<RawFd> {
+    // SAFETY: fcntl(F_DUPFD_CLOEXEC) on an fd open in the child has no memory-safety preconditions.
+    match unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10) } {
+        -1 => Err(io::Error::last_os_error()),
+        parked => Ok(parked),
     }
 }
 
@@ -324,6 +358,7 @@ fn hand_down(source: RawFd, target: RawFd) -> io::Result<()> {
 
 /// Every signal the watchdog ignores: all that can be caught, but the synchronous faults (which
 /// describe a bug of its own) and SIGCHLD (ignoring it would change how children are reaped).
+/// SIGPIPE is among them: a write to a closed pipe must fail, not kill.
 fn ignored_signals() -> impl Iterator<Item = i32> {
     let faults = [
         libc::SIGSEGV,
@@ -357,10 +392,10 @@ pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
         return ExitCode::from(crate::outcome::EXIT_USAGE);
     };
     for number in ignored_signals() {
+        // Already ignored since before exec (see `Watchdog::spawn`); again here for certainty.
         // SAFETY: SIG_IGN installs no handler code. Real-time signals have no nix name, hence libc.
         unsafe { libc::signal(number, libc::SIG_IGN) };
     }
-    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigIgn) };
     // SAFETY: fd 3 was handed over by the guard and is owned by this process alone.
     let mut pipe = File::from(unsafe { OwnedFd::from_raw_fd(MESSAGE_FD) });
     let context = |key| std::env::var(key).unwrap_or_default();

@@ -4,7 +4,9 @@
 
 pub mod endpoints;
 pub mod etcd;
+pub mod freeze;
 pub mod mariadb;
+pub mod procs;
 pub mod proxy;
 pub mod redis;
 
