@@ -15,6 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::etcd::Etcd;
+use common::freeze::Freezer;
 use common::mariadb::MariaDb;
 use common::redis::Redis;
 use common::*;
@@ -275,6 +276,64 @@ fn detection(report: &mut Report, servers: &mut Servers, settings: &Settings) {
             }
         }
         report.latency(scenario, backend, &stats, target);
+    }
+}
+
+/// The guard, its app and its watchdog frozen together (the cgroup freezer, as `docker pause`) until
+/// the backend has freed the lock, then thawed: how long the old app lives on after the thaw. It
+/// ignores SIGTERM, so only the SIGKILL a passed deadline calls for ends it.
+fn tree_freeze(report: &mut Report, servers: &Servers, settings: &Settings) {
+    let scenario = "whole tree frozen past the deadline: thaw -> old app dead";
+    for backend in ["mysql", "redis"] {
+        let mut stats = Stats::default();
+        for round in 0..settings.rounds {
+            let lab = Lab::new();
+            let name = format!("freeze-{round}");
+            let pidfile = lab.path("app");
+            let app = vec![
+                "sh".to_owned(),
+                "-c".to_owned(),
+                format!(
+                    "trap '' TERM; echo $$ > {p}.tmp && mv {p}.tmp {p}; while :; do sleep 0.01; done",
+                    p = pidfile.display()
+                ),
+            ];
+            let mut args = vec!["--check-interval", "200ms"];
+            args.extend_from_slice(&SHORT_LEASE);
+            let cgroup = Freezer::create();
+            let mut guard = cgroup
+                .command(&guard_cmd(&servers.url(backend), &name, &args, &app))
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            let app_pid = read_pid(&pidfile, Duration::from_secs(10));
+            cgroup.freeze();
+            let freed = wait_until(Duration::from_secs(30), || match backend {
+                "mysql" => servers.mysql.holder_of(&name).is_none(),
+                _ => {
+                    servers
+                        .redis
+                        .cli(&["EXISTS", &format!("sentinel-guard:{{{name}}}")])
+                        == "0"
+                }
+            });
+            assert!(
+                freed,
+                "{backend}: the backend never freed a frozen guard's lock"
+            );
+            let thawed = Instant::now();
+            cgroup.thaw();
+            if wait_until(Duration::from_secs(10), || !alive(app_pid)) {
+                stats.push_ms(thawed.elapsed().as_nanos() as u64);
+            }
+            let _ = guard.wait();
+        }
+        report.latency(
+            scenario,
+            backend,
+            &stats,
+            "a few ms (SIGKILL at once, no grace period)",
+        );
     }
 }
 
@@ -691,6 +750,7 @@ fn main() {
     let mut report = Report { rows: Vec::new() };
     startup(&mut report, &servers, &settings);
     detection(&mut report, &mut servers, &settings);
+    tree_freeze(&mut report, &servers, &settings);
     takeover(&mut report, &servers, &settings);
     footprint_and_idle(&mut report, &servers, &settings);
     scale(&mut report, &servers, &settings);

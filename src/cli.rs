@@ -37,7 +37,7 @@ pub struct Cli {
     )]
     pub held_exit_code: u8,
 
-    /// Time between the stop signal and SIGKILL whenever the guard stops the command
+    /// Time between the stop signal and SIGKILL whenever the guard stops the command (at most 1h)
     #[arg(long, env = "SENTINEL_GUARD_GRACE_PERIOD", default_value = "10s", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub grace_period: Duration,
 
@@ -50,24 +50,24 @@ pub struct Cli {
     )]
     pub stop_signal: String,
 
-    /// How often ownership of the lock is re-proved
+    /// How often ownership of the lock is re-proved (100ms to 1h)
     #[arg(long, env = "SENTINEL_GUARD_CHECK_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub check_interval: Duration,
 
-    /// Redis lease duration; a lease not renewed for this long expires
+    /// Redis lease duration; a lease not renewed for this long expires (at most 1d)
     #[arg(long, env = "SENTINEL_GUARD_TTL", default_value = "30s", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub ttl: Duration,
 
-    /// How often the Redis lease is renewed [default: ttl/3]
+    /// How often the Redis lease is renewed, at most 1d [default: ttl/3]
     #[arg(long, env = "SENTINEL_GUARD_RENEW_INTERVAL", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub renew_interval: Option<Duration>,
 
-    /// Wait for the lock instead of exiting: forever, or up to DUR and then exit with the held code
+    /// Wait for the lock instead of exiting: forever, or up to DUR (at most 365d) and then exit with the held code
     #[arg(short = 'w', long, env = "SENTINEL_GUARD_WAIT", num_args = 0..=1, require_equals = true, default_missing_value = "forever", value_name = "DUR")]
     pub wait: Option<String>,
 
     /// After acquiring, hold the lock this long before starting the command (closes the gap when a
-    /// server dropped the previous holder while its app was still stopping)
+    /// server dropped the previous holder while its app was still stopping; at most 1h)
     #[arg(long, env = "SENTINEL_GUARD_TAKEOVER_DELAY", default_value = "0s", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub takeover_delay: Duration,
 
@@ -84,7 +84,7 @@ pub struct Cli {
     )]
     pub exit_code_map: Vec<String>,
 
-    /// Stop the command gracefully after this long and exit 124 (watchdog for cron-style jobs)
+    /// Stop the command gracefully after this long and exit 124 (watchdog for cron-style jobs; at most 365d)
     #[arg(long, env = "SENTINEL_GUARD_MAX_RUNTIME", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub max_runtime: Option<Duration>,
 
@@ -122,11 +122,11 @@ pub struct LockArgs {
     #[arg(short = 'n', long, env = "SENTINEL_GUARD_NAME")]
     pub name: Option<String>,
 
-    /// A check slower than this means the lock is lost; bounds every Redis command
+    /// A check slower than this means the lock is lost; bounds every Redis command (100ms to 10m)
     #[arg(long, env = "SENTINEL_GUARD_CHECK_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub check_timeout: Duration,
 
-    /// How long to wait for the backend connection at start-up
+    /// How long to wait for the backend connection at start-up (at most 10m)
     #[arg(long, env = "SENTINEL_GUARD_CONNECT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub connect_timeout: Duration,
 

@@ -27,6 +27,33 @@ pub const MYSQL_SAFETY_MARGIN: Duration = Duration::from_secs(5);
 /// The largest `wait_timeout` MySQL and MariaDB accept on Unix.
 const MYSQL_MAX_WAIT_TIMEOUT_SECS: u64 = 31_536_000;
 const MIN_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+
+const HOUR: Duration = Duration::from_secs(3600);
+const DAY: Duration = Duration::from_secs(86_400);
+/// The largest value each duration option takes. Beyond it a value is a mistake (a grace period of
+/// days, a unit typo), never a setting; and every deadline the guard computes from these stays far
+/// from the limits of its clock arithmetic. Documented in `--help` and the README.
+pub const MAX_GRACE_PERIOD: Duration = HOUR;
+pub const MAX_CHECK_INTERVAL: Duration = HOUR;
+pub const MAX_CHECK_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+pub const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+pub const MAX_TTL: Duration = DAY;
+pub const MAX_RENEW_INTERVAL: Duration = DAY;
+pub const MAX_TAKEOVER_DELAY: Duration = HOUR;
+pub const MAX_WAIT: Duration = Duration::from_secs(365 * 86_400);
+pub const MAX_MAX_RUNTIME: Duration = Duration::from_secs(365 * 86_400);
+
+/// `option value` must not exceed `max`.
+fn at_most(option: &str, value: Duration, max: Duration) -> Result<(), ConfigError> {
+    if value > max {
+        return Err(invalid(format!(
+            "{option} {} is above its maximum of {}",
+            humantime::format_duration(value),
+            humantime::format_duration(max)
+        )));
+    }
+    Ok(())
+}
 const MIN_CHECK_TIMEOUT: Duration = Duration::from_millis(100);
 const MAX_NAME_LEN: usize = 64;
 
@@ -86,13 +113,15 @@ impl Wait {
         match raw.trim().to_ascii_lowercase().as_str() {
             "forever" | "true" | "yes" | "on" => Ok(Wait::Forever),
             "false" | "no" | "off" => Ok(Wait::No),
-            duration => humantime::parse_duration(duration)
-                .map(Wait::For)
-                .map_err(|e| {
+            duration => {
+                let limit = humantime::parse_duration(duration).map_err(|e| {
                     invalid(format!(
                         "--wait={raw}: {e}; use a duration such as 30s, or forever"
                     ))
-                }),
+                })?;
+                at_most("--wait", limit, MAX_WAIT)?;
+                Ok(Wait::For(limit))
+            }
         }
     }
 }
@@ -118,6 +147,16 @@ impl StatusConfig {
                 "--connect-timeout and --check-timeout must be longer than 0s",
             ));
         }
+        at_most(
+            "--connect-timeout",
+            args.lock.connect_timeout,
+            MAX_CONNECT_TIMEOUT,
+        )?;
+        at_most(
+            "--check-timeout",
+            args.lock.check_timeout,
+            MAX_CHECK_TIMEOUT,
+        )?;
         Ok(StatusConfig {
             name,
             target,
@@ -156,6 +195,37 @@ impl Config {
                 "no lock backend: set --url or --url-file (SENTINEL_GUARD_URL / SENTINEL_GUARD_URL_FILE), \
                  or SINGLE_INSTANCE_GUARD=false to run unguarded",
             ));
+        }
+        // Bounds first, so every later computation stays well inside Duration's range.
+        for (option, value, max) in [
+            ("--grace-period", Some(cli.grace_period), MAX_GRACE_PERIOD),
+            (
+                "--check-interval",
+                Some(cli.check_interval),
+                MAX_CHECK_INTERVAL,
+            ),
+            (
+                "--check-timeout",
+                Some(cli.lock.check_timeout),
+                MAX_CHECK_TIMEOUT,
+            ),
+            (
+                "--connect-timeout",
+                Some(cli.lock.connect_timeout),
+                MAX_CONNECT_TIMEOUT,
+            ),
+            ("--ttl", Some(cli.ttl), MAX_TTL),
+            ("--renew-interval", cli.renew_interval, MAX_RENEW_INTERVAL),
+            (
+                "--takeover-delay",
+                Some(cli.takeover_delay),
+                MAX_TAKEOVER_DELAY,
+            ),
+            ("--max-runtime", cli.max_runtime, MAX_MAX_RUNTIME),
+        ] {
+            if let Some(value) = value {
+                at_most(option, value, max)?;
+            }
         }
         let timings = Timings {
             check_interval: cli.check_interval,
@@ -343,9 +413,17 @@ impl Target {
         })?;
         match url.scheme() {
             "mysql" => {
-                let url = RedactedUrl::of(&url);
-                let opts = mysql_async::Opts::from_url(raw)
-                    .map_err(|e| invalid(format!("--url {url}: {}", url.scrub(e))))?;
+                let shown = RedactedUrl::of(&url);
+                let mut opts = mysql_async::Opts::from_url(raw)
+                    .map_err(|e| invalid(format!("--url {shown}: {}", shown.scrub(e))))?;
+                // The driver would hand a bracketed IPv6 literal ("[::1]") to the resolver as a
+                // host name; it gets the address itself instead.
+                if let Some(url::Host::Ipv6(address)) = url.host() {
+                    opts = mysql_async::OptsBuilder::from_opts(opts)
+                        .ip_or_hostname(address.to_string())
+                        .into();
+                }
+                let url = shown;
                 Ok(Target::Mysql(MysqlTarget {
                     opts,
                     url,
@@ -729,5 +807,134 @@ mod tests {
         assert!(ExitCodeMap::parse(&["143".into()]).is_err());
         assert!(ExitCodeMap::parse(&["256=0".into()]).is_err());
         assert!(ExitCodeMap::parse(&["1=2".into(), "1=3".into()]).is_err());
+    }
+}
+
+/// "Never panics" as a tested property: whatever flags and values an operator (or a typo) gives,
+/// the configuration layer answers with a configuration or a usage error. Environment variables go
+/// through the same clap value parsers as their flags, so flag values cover them.
+#[cfg(test)]
+mod never_panics {
+    use clap::Parser;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const DURATION_FLAGS: [&str; 9] = [
+        "--grace-period",
+        "--check-interval",
+        "--check-timeout",
+        "--connect-timeout",
+        "--ttl",
+        "--renew-interval",
+        "--takeover-delay",
+        "--max-runtime",
+        "--wait",
+    ];
+
+    fn invocation(args: &[String], guard_switch: Option<&str>) -> Result<Invocation, String> {
+        let cli = Cli::try_parse_from(args).map_err(|e| e.to_string())?;
+        Invocation::from_cli(cli, guard_switch).map_err(|e| e.to_string())
+    }
+
+    fn guard_args(url: &str, flags: &[(&str, String)]) -> Vec<String> {
+        let mut args = vec![
+            "sentinel-guard".to_owned(),
+            "--url".to_owned(),
+            url.to_owned(),
+        ];
+        args.extend(["--name".to_owned(), "prop".to_owned()]);
+        for (flag, value) in flags {
+            // `--wait` takes its value only with `=`; the others take both forms.
+            args.push(format!("{flag}={value}"));
+        }
+        args.extend(["--".to_owned(), "true".to_owned()]);
+        args
+    }
+
+    /// Values an operator might write, including the edges of every numeric type and unit.
+    fn value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            (
+                0u64..=u64::MAX,
+                prop::sample::select(vec!["ns", "ms", "s", "m", "h", "d", "w", "y", ""])
+            )
+                .prop_map(|(n, unit)| format!("{n}{unit}")),
+            (
+                0u64..100_000,
+                prop::sample::select(vec!["ms", "s", "m", "h", "d"])
+            )
+                .prop_map(|(n, unit)| format!("{n}{unit}")),
+            Just("18446744073709551615s".to_owned()),
+            Just("forever".to_owned()),
+            Just("-1s".to_owned()),
+            ".{0,12}",
+        ]
+    }
+
+    fn url() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("mysql://sg:pw@127.0.0.1:3306/test".to_owned()),
+            Just("mysql://sg:pw@[::1]/test".to_owned()),
+            Just("redis://[::1]:6379".to_owned()),
+            Just("rediss://u:p@host/3".to_owned()),
+            Just("file:///tmp/prop.lock".to_owned()),
+            "[a-z+]{1,8}://[a-z0-9@:\\[\\]./%]{0,24}",
+            ".{0,20}",
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        #[test]
+        fn any_flags_give_a_config_or_a_usage_error(
+            url in url(),
+            flags in prop::collection::vec((prop::sample::select(DURATION_FLAGS.to_vec()), value()), 0..6),
+            switch in prop::option::of(prop_oneof![Just("false".to_owned()), ".{0,6}"]),
+        ) {
+            let flags: Vec<(&str, String)> = flags.iter().map(|(f, v)| (*f, v.clone())).collect();
+            // The property is that this returns at all; either answer is fine.
+            let _ = invocation(&guard_args(&url, &flags), switch.as_deref());
+        }
+    }
+
+    #[test]
+    fn huge_durations_are_usage_errors_that_name_the_option() {
+        for flag in DURATION_FLAGS {
+            for huge in ["18446744073709551615s", "10y", "400d"] {
+                let args = guard_args("redis://127.0.0.1:6379", &[(flag, huge.to_owned())]);
+                let error = match invocation(&args, None) {
+                    Ok(_) => panic!("{flag}={huge} was accepted"),
+                    Err(e) => e,
+                };
+                assert!(error.contains(flag), "{flag}={huge}: {error}");
+            }
+        }
+        // The bound itself is accepted where no other rule forbids it.
+        let ok = guard_args(
+            "file:///tmp/prop.lock",
+            &[
+                ("--max-runtime", "365d".to_owned()),
+                ("--wait", "365d".to_owned()),
+            ],
+        );
+        assert!(invocation(&ok, None).is_ok());
+    }
+
+    #[test]
+    fn bracketed_ipv6_hosts_reach_the_mysql_driver_as_addresses() {
+        for (raw, host, port) in [
+            ("mysql://sg:pw@[::1]:3307/test", "::1", 3307),
+            ("mysql://sg:pw@[::1]/test", "::1", 3306),
+            ("mysql://sg:pw@127.0.0.1/test", "127.0.0.1", 3306),
+            ("mysql://sg:pw@db.example/test", "db.example", 3306),
+        ] {
+            let Ok(Target::Mysql(target)) = Target::parse(raw, "sg") else {
+                panic!("{raw} did not parse")
+            };
+            assert_eq!(target.opts.ip_or_hostname(), host, "{raw}");
+            assert_eq!(target.opts.tcp_port(), port, "{raw}");
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! `--metrics-addr`: `/metrics`, `/healthz` and `/leader` over HTTP/1, served on the guard's own
 //! runtime so a guard whose lock logic is stuck cannot answer that it is fine.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -11,12 +12,20 @@ use hyper::header::CONTENT_TYPE;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
+use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
 use crate::metrics::{self, Metrics};
 
 /// A client that has not sent its request headers by then is dropped.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+/// At most this many connections are open at once; a new one beyond it closes the oldest. Every
+/// response closes its connection (no keep-alive), so the open ones are those still to send a
+/// request: idle or slow clients, never a scrape being answered. The port is often bound to
+/// 0.0.0.0, and must never cost the guard the descriptors its lock needs.
+const MAX_CONNECTIONS: usize = 64;
+/// No connection lives longer than this, whatever it sends.
+const CONNECTION_DEADLINE: Duration = Duration::from_secs(10);
 
 /// The bound listening socket. Bound before anything else so a taken address is a usage error
 /// (exit 2) raised before any lock is taken.
@@ -45,7 +54,10 @@ impl Endpoints {
 async fn accept(listener: TcpListener, metrics: Metrics) {
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
-        .header_read_timeout(HEADER_TIMEOUT);
+        .header_read_timeout(HEADER_TIMEOUT)
+        .keep_alive(false);
+    // Oldest first; a connection whose task has ended has a closed sender.
+    let mut open: VecDeque<oneshot::Sender<()>> = VecDeque::with_capacity(MAX_CONNECTIONS);
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -56,6 +68,15 @@ async fn accept(listener: TcpListener, metrics: Metrics) {
                 continue;
             }
         };
+        open.retain(|connection| !connection.is_closed());
+        if open.len() >= MAX_CONNECTIONS {
+            if let Some(oldest) = open.pop_front() {
+                debug!("metrics endpoint at its connection cap; closing the oldest connection");
+                let _ = oldest.send(());
+            }
+        }
+        let (close, closed) = oneshot::channel();
+        open.push_back(close);
         let metrics = metrics.clone();
         let connection = http.serve_connection(
             TokioIo::new(stream),
@@ -65,8 +86,13 @@ async fn accept(listener: TcpListener, metrics: Metrics) {
             }),
         );
         tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                debug!(error = %e, "metrics connection ended with an error");
+            tokio::select! {
+                served = tokio::time::timeout(CONNECTION_DEADLINE, connection) => match served {
+                    Ok(Err(e)) => debug!(error = %e, "metrics connection ended with an error"),
+                    Err(_) => debug!("metrics connection closed at its deadline"),
+                    Ok(Ok(())) => {}
+                },
+                _ = closed => {}
             }
         });
     }

@@ -32,6 +32,9 @@ pub enum Outcome {
     StoppedBeforeStart,
     /// The guard itself could not set up (signal handlers, runtime).
     Internal,
+    /// The invocation names something unusable that only showed when it was touched (a lock path
+    /// that is a symbolic link or someone else's file); nothing was changed.
+    Usage,
 }
 
 impl std::fmt::Display for Outcome {
@@ -47,6 +50,7 @@ impl std::fmt::Display for Outcome {
             Outcome::NotExecutable => f.write_str("command not executable"),
             Outcome::StoppedBeforeStart => f.write_str("stopped before the app started"),
             Outcome::Internal => f.write_str("internal error"),
+            Outcome::Usage => f.write_str("usage error"),
         }
     }
 }
@@ -62,6 +66,7 @@ impl Outcome {
             Outcome::NotFound => EXIT_NOT_FOUND,
             Outcome::NotExecutable => EXIT_NOT_EXECUTABLE,
             Outcome::Internal => EXIT_INTERNAL,
+            Outcome::Usage => EXIT_USAGE,
         }
     }
 }
@@ -94,5 +99,6 @@ mod tests {
         assert_eq!(Outcome::NotExecutable.exit_code(1, &map), 126);
         assert_eq!(Outcome::NotFound.exit_code(1, &map), 127);
         assert_eq!(Outcome::StoppedBeforeStart.exit_code(3, &map), 3);
+        assert_eq!(Outcome::Usage.exit_code(1, &map), 2);
     }
 }

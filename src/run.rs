@@ -83,6 +83,7 @@ impl Guard<'_> {
                 return Outcome::Internal;
             }
         };
+        supervisor::raise_descriptor_limit();
         if let Err(e) = supervisor::become_subreaper() {
             error!(event = "setup_failed", error = %e, "cannot become child subreaper; orphans of the app could escape teardown");
             return Outcome::Internal;
@@ -142,7 +143,10 @@ impl Guard<'_> {
             Err(e) => {
                 self.metrics.acquire(AcquireOutcome::Error);
                 error!(event = "acquire_failed", error = %e, "cannot take the lock; the app was not started");
-                return Outcome::Unavailable;
+                return match e {
+                    backend::LockError::NotALockFile(_) => Outcome::Usage,
+                    _ => Outcome::Unavailable,
+                };
             }
         };
         match self.takeover_delay(held, &mut signals).await {

@@ -24,6 +24,10 @@ use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
 use crate::supervisor::watchdog::Farewell;
 
+/// The first line of every lock file this program writes. A lock file that is neither empty nor
+/// starts with it is someone else's file, named by mistake: it is refused and never written to.
+const MAGIC: &str = "# sentinel-guard lock file";
+
 /// How often to retry when the path was replaced between opening and locking it.
 const OPEN_ATTEMPTS: usize = 5;
 
@@ -123,17 +127,30 @@ fn flock_holder(locks: &str, meta: &std::fs::Metadata) -> Option<u32> {
 }
 
 /// std opens every file with O_CLOEXEC, which the lock relies on: an app that inherited the descriptor
-/// would keep the lock alive after the guard died.
+/// would keep the lock alive after the guard died. `O_NOFOLLOW`: a symbolic link planted at the path
+/// (in a shared directory, the classic attack on a program running as root) is never followed; a new
+/// file is created `0644`. Anything but an empty file or one of this program's own is refused before
+/// any byte is written.
 fn open(path: &Path) -> Result<File, LockError> {
-    OpenOptions::new()
+    let mut file = OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
         .mode(0o644)
+        .custom_flags(nix::libc::O_NOFOLLOW)
         .open(path)
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => LockError::Refused(format!(
+        .map_err(|e| match e.raw_os_error() {
+            Some(nix::libc::ELOOP) => LockError::NotALockFile(format!(
+                "{}: is a symbolic link; a lock file must be a regular file (links are never followed, so \
+                 a link cannot redirect the guard to another file)",
+                path.display()
+            )),
+            Some(nix::libc::EISDIR) => LockError::NotALockFile(format!(
+                "{}: is a directory, not a lock file",
+                path.display()
+            )),
+            _ if e.kind() == std::io::ErrorKind::NotFound => LockError::Refused(format!(
                 "{}: the directory {} does not exist",
                 path.display(),
                 path.parent()
@@ -142,7 +159,36 @@ fn open(path: &Path) -> Result<File, LockError> {
                     .unwrap_or_default()
             )),
             _ => io_error(path, e),
-        })
+        })?;
+    let meta = file.metadata().map_err(|e| io_error(path, e))?;
+    if !meta.file_type().is_file() {
+        return Err(LockError::NotALockFile(format!(
+            "{}: is not a regular file; a lock file must be one",
+            path.display()
+        )));
+    }
+    let mut head = Vec::new();
+    (&mut file)
+        .take(MAGIC.len() as u64)
+        .read_to_end(&mut head)
+        .map_err(|e| io_error(path, e))?;
+    if !is_ours(&head) {
+        return Err(LockError::NotALockFile(format!(
+            "{}: not a sentinel-guard lock file (it is not empty and does not start with {MAGIC:?}); \
+             it was left untouched: name a new or empty file",
+            path.display()
+        )));
+    }
+    file.seek(SeekFrom::Start(0))
+        .map_err(|e| io_error(path, e))?;
+    Ok(file)
+}
+
+/// Empty, this program's magic line, or the start of it (a record being written right now: every
+/// record rewrites the same magic line in place, so a reader never sees anything else).
+fn is_ours(head: &[u8]) -> bool {
+    let magic = MAGIC.as_bytes();
+    head.starts_with(magic) || magic.starts_with(head)
 }
 
 fn io_error(path: &Path, e: std::io::Error) -> LockError {
@@ -162,10 +208,14 @@ fn describe_holder(file: &mut File, locked_by: Option<u32>) -> HolderInfo {
     }
 }
 
+/// Overwrites the record in place, magic line first, then cuts what an older, longer record left:
+/// the file never stops starting with the magic line, so a contender never mistakes it for a foreign
+/// file. Only called with the lock held, on a file `open` found to be ours.
 fn write_holder(file: &mut File, holder: &Holder) -> std::io::Result<()> {
-    file.set_len(0)?;
+    let record = format!("{MAGIC}\n{holder}\n");
     file.seek(SeekFrom::Start(0))?;
-    writeln!(file, "{holder}")?;
+    file.write_all(record.as_bytes())?;
+    file.set_len(record.len() as u64)?;
     file.flush()
 }
 
@@ -239,12 +289,31 @@ impl FileLock {
 
     pub fn release(self) -> Result<(), LockError> {
         // Never unlink: a contender may already have the inode open and would lock a file no one else
-        // can find. Emptying it keeps a stale identity from being reported as the holder.
-        let _ = self.file.set_len(0);
+        // can find. Cutting the record after the magic line keeps a stale identity from being
+        // reported as the holder, and the file recognisably ours.
+        let _ = self.file.set_len(MAGIC.len() as u64 + 1);
         self.file.unlock().map_err(|(_, errno)| {
             LockError::Refused(format!("unlock {}: {errno}", self.path.display()))
         })?;
         info!(event = "lock_released", path = %self.path.display(), "file lock released");
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_empty_files_and_our_own_records_are_ours() {
+        assert!(is_ours(b""));
+        assert!(is_ours(MAGIC.as_bytes()));
+        assert!(is_ours(b"# sentinel-gu"), "a record being written");
+        assert!(!is_ours(b"important config\n"));
+        assert!(
+            !is_ours(b"holder_id=abc host=h pid=1 started=2\n"),
+            "a record without magic"
+        );
+        assert!(!is_ours(b"\x7fELF"));
     }
 }

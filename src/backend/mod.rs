@@ -23,9 +23,14 @@ use crate::supervisor::watchdog::Farewell;
 use crate::supervisor::TreeGone;
 use crate::vocab::LossReason;
 
-/// Why the lock could not be taken or used. Every variant means "the app must not run": exit 69.
+/// Why the lock could not be taken or used. Every variant means "the app must not run": exit 69,
+/// but `NotALockFile`, a mistake in the invocation: exit 2.
 #[derive(Debug, Error)]
 pub enum LockError {
+    /// The lock path names something the guard must not touch: a symbolic link, a directory, a
+    /// file with someone else's content.
+    #[error("{0}")]
+    NotALockFile(String),
     #[error("lock backend unreachable: {0}")]
     Unreachable(String),
     #[error("lock backend refused the guard: {0}")]

@@ -89,7 +89,31 @@ async fn open_session(target: &MysqlTarget, timings: &Timings) -> Result<Conn, L
              of a silent connection before the guard stops the app (a proxy in between?)"
         )));
     }
+    unlimit_statements(&mut conn, target, bounded).await?;
     Ok(conn)
+}
+
+/// MySQL's "Unknown system variable": the other server family's setting.
+const ER_UNKNOWN_SYSTEM_VARIABLE: u16 = 1193;
+
+/// A server-wide statement time limit (MariaDB `max_statement_time`, MySQL `max_execution_time`)
+/// would end the check's deliberate `SLEEP` and look like a lost lock: both are zeroed for the session,
+/// each on the server family that has it.
+async fn unlimit_statements(
+    conn: &mut Conn,
+    target: &MysqlTarget,
+    bounded: Duration,
+) -> Result<(), LockError> {
+    for variable in ["max_statement_time", "max_execution_time"] {
+        let set = format!("SET SESSION {variable} = 0");
+        match timeout(bounded, conn.query_drop(&set)).await {
+            Err(_) => return Err(no_answer(target, &set, bounded)),
+            Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_UNKNOWN_SYSTEM_VARIABLE => {}
+            Ok(Err(e)) => return Err(setup_error(target, e)),
+            Ok(Ok(())) => {}
+        }
+    }
+    Ok(())
 }
 
 fn no_answer(target: &MysqlTarget, what: &str, limit: Duration) -> LockError {

@@ -28,6 +28,10 @@ use crate::metrics::{CheckOutcome, Checks};
 /// fence 0 when held by another token; clean 1 only when the previous lease was released by its owner
 /// (its fence is the one recorded in the clean key). A missing counter means a first acquisition or
 /// a server that lost its data: nobody can tell which, so it does not count as clean.
+///
+/// Fencing tokens never go backwards, even when the server loses its data: a missing counter starts
+/// again from the server's clock in microseconds (`TIME`), above any token an earlier counter could
+/// have reached unless it was incremented more than a million times a second since it started.
 const ACQUIRE: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current then
@@ -42,8 +46,13 @@ local clean = 0
 if previous and previous == redis.call('GET', KEYS[3]) then
   clean = 1
 end
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  local now = redis.call('TIME')
+  redis.call('SET', KEYS[2], string.format('%.0f', tonumber(now[1]) * 1000000 + tonumber(now[2])))
+end
 local fence = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], ARGV[1] .. ' fence=' .. fence .. ' ' .. ARGV[2], 'NX', 'PX', ARGV[3])
+-- Lua would print a number this large as 1.79e+15: the record keeps every digit.
+redis.call('SET', KEYS[1], ARGV[1] .. ' fence=' .. string.format('%.0f', fence) .. ' ' .. ARGV[2], 'NX', 'PX', ARGV[3])
 return {fence, clean}
 ";
 

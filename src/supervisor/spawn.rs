@@ -5,8 +5,11 @@ use std::io;
 use std::os::fd::BorrowedFd;
 use std::os::unix::process::CommandExt;
 use std::process::Command;
+use std::sync::OnceLock;
 
+use nix::libc::rlim_t;
 use nix::sys::prctl;
+use nix::sys::resource::{getrlimit, setrlimit, Resource};
 use nix::sys::signal::{raise, sigprocmask, SigSet, SigmaskHow, Signal};
 use nix::unistd::{getpgrp, getpid, getppid, isatty, setpgid, tcgetpgrp, tcsetpgrp, Pid};
 use thiserror::Error;
@@ -17,6 +20,23 @@ pub enum SpawnError {
     NotFound { command: String },
     #[error("command cannot be executed: {command}: {source}")]
     NotExecutable { command: String, source: io::Error },
+}
+
+/// The descriptor limits the guard started with, before `raise_descriptor_limit`: the app gets them
+/// back, so an app built for the usual 1024 (`select`, say) sees what it would without the guard.
+static STARTING_NOFILE: OnceLock<(rlim_t, rlim_t)> = OnceLock::new();
+
+/// Raises the guard's soft limit on open descriptors to the hard limit, as most servers do: a flood
+/// of connections to the metrics port, or many files held by the process, must never leave the
+/// lock's own sockets and the watchdog's pipe without a descriptor.
+pub fn raise_descriptor_limit() {
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return;
+    };
+    let _ = STARTING_NOFILE.set((soft, hard));
+    if soft < hard {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+    }
 }
 
 /// The environment the app gets: the guard's own, minus what must not leak, plus what it adds.
@@ -41,10 +61,16 @@ pub fn spawn(command: &[OsString], env: &AppEnv<'_>) -> Result<Pid, SpawnError> 
     }
     let guard_pid = getpid();
     let take_foreground = owns_terminal_foreground();
+    let nofile = STARTING_NOFILE.get().copied();
     // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system calls;
     // it allocates nothing.
     unsafe {
-        cmd.pre_exec(move || prepare_child(guard_pid, take_foreground));
+        cmd.pre_exec(move || {
+            if let Some((soft, hard)) = nofile {
+                setrlimit(Resource::RLIMIT_NOFILE, soft, hard)?;
+            }
+            prepare_child(guard_pid, take_foreground)
+        });
     }
     let describe = || program.to_string_lossy().into_owned();
     match cmd.spawn() {

@@ -60,10 +60,17 @@ pub struct MariaDb {
     dir: TempDir,
     pub port: u16,
     process: Option<Child>,
+    /// Server options beyond the harness's own, e.g. `--max-statement-time=0.5`.
+    extra: Vec<String>,
 }
 
 impl MariaDb {
     pub fn start() -> MariaDb {
+        MariaDb::start_with(&[])
+    }
+
+    /// A server started with `extra` options on top of the harness's own.
+    pub fn start_with(extra: &[&str]) -> MariaDb {
         let dir = tempfile::tempdir().unwrap();
         let status = Command::new("cp")
             .arg("-a")
@@ -84,6 +91,7 @@ impl MariaDb {
             dir,
             port: free_port(),
             process: None,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         server.boot();
         server
@@ -105,6 +113,7 @@ impl MariaDb {
             .arg("--innodb-buffer-pool-size=16M")
             .arg("--skip-log-bin")
             .arg("--max-connections=1000")
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -137,12 +146,16 @@ impl MariaDb {
         self.process.as_ref().expect("server is running").id() as i32
     }
 
+    /// The `mariadb` client, as root over the private socket, running `sql`.
+    pub fn client(&self, sql: &str) -> Command {
+        let mut cmd = Command::new(program("mariadb"));
+        cmd.arg(format!("--socket={}", self.socket().display()))
+            .args(["-uroot", "-N", "-B", "-e", sql]);
+        cmd
+    }
+
     fn try_sql(&self, sql: &str) -> Option<String> {
-        let out = Command::new(program("mariadb"))
-            .arg(format!("--socket={}", self.socket().display()))
-            .args(["-uroot", "-N", "-B", "-e", sql])
-            .output()
-            .ok()?;
+        let out = self.client(sql).output().ok()?;
         out.status
             .success()
             .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())

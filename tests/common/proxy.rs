@@ -14,7 +14,12 @@ pub struct Proxy {
 
 impl Proxy {
     pub fn start(upstream_port: u16) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        Proxy::listening_on("127.0.0.1:0", upstream_port)
+    }
+
+    /// A proxy listening on `address` (e.g. `[::1]:0`, to reach an IPv4-only server over IPv6).
+    pub fn listening_on(address: &str, upstream_port: u16) -> Proxy {
+        let listener = TcpListener::bind(address).unwrap();
         let port = listener.local_addr().unwrap().port();
         let silent = Arc::new(AtomicBool::new(false));
         let flag = silent.clone();
