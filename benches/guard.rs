@@ -323,7 +323,12 @@ fn tree_freeze(report: &mut Report, servers: &Servers, settings: &Settings) {
             );
             let thawed = Instant::now();
             cgroup.thaw();
-            if wait_until(Duration::from_secs(10), || !alive(app_pid)) {
+            // Polled every 0.2ms: the shared `wait_until` looks only every 10ms.
+            let limit = thawed + Duration::from_secs(10);
+            while alive(app_pid) && Instant::now() < limit {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            if !alive(app_pid) {
                 stats.push_ms(thawed.elapsed().as_nanos() as u64);
             }
             let _ = guard.wait();

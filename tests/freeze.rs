@@ -99,20 +99,7 @@ fn frozen_tree_is_killed_at_thaw(backend: &Backend, timings: &[&str], lock_life:
         );
     }
 
-    let mut standby_args = args.clone();
-    standby_args.push("--wait");
-    let mut standby = lab.spawn(
-        &standby_args,
-        &as_strs(&recording_app(&trace, &standby_pid)),
-    );
-    assert!(
-        wait_until(Duration::from_secs(10), || standby
-            .log_text()
-            .contains("waiting")),
-        "{}: standby never waited: {}",
-        backend.name(),
-        standby.log_text()
-    );
+    let mut standby = waiting_standby(&mut lab, &args, &trace, &standby_pid);
     assert!(
         wait_until(Duration::from_secs(5), || last_beat(&beats).is_some()),
         "{}: the leader's app never beat",

@@ -22,15 +22,7 @@ fn frozen_guards_app_is_stopped_before_a_standby_takes_over() {
         let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
         let mut leader = lab.spawn(&args, &as_strs(&recording_app(&trace, &lead_pid)));
         let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
-        let mut standby_args = args.clone();
-        standby_args.push("--wait");
-        let mut standby = lab.spawn(
-            &standby_args,
-            &as_strs(&recording_app(&trace, &standby_pid)),
-        );
-        assert!(wait_until(Duration::from_secs(5), || standby
-            .log_text()
-            .contains("waiting")));
+        let mut standby = waiting_standby(&mut lab, &args, &trace, &standby_pid);
 
         leader.signal(19); // SIGSTOP
                            // MySQL frees the silent session after wait_timeout (8s here); the Redis lease expires in 3s.

@@ -161,22 +161,9 @@ fn a_flooded_metrics_port_never_starves_the_guard() {
         FAST,
     ]
     .concat();
-    let mut cmd = lab.command(&args, &as_strs(&sleeper(&pidfile)));
+    let cmd = lab.command(&args, &as_strs(&sleeper(&pidfile)));
     // The guard as an operator would start it: the usual soft limit of 1024 descriptors.
-    let mut limited = std::process::Command::new("prlimit");
-    limited
-        .arg("--nofile=1024:")
-        .arg(cmd.get_program())
-        .args(cmd.get_args())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null());
-    for (key, value) in cmd.get_envs() {
-        match value {
-            Some(value) => limited.env(key, value),
-            None => limited.env_remove(key),
-        };
-    }
-    cmd = limited;
+    let cmd = launched_by(&cmd, "prlimit", &["--nofile=1024:"]);
     let mut guard = lab.start(cmd);
     let app = read_pid(&pidfile, Duration::from_secs(15));
     assert!(wait_until(Duration::from_secs(10), || status(

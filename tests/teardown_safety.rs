@@ -171,20 +171,7 @@ fn watchdog_killed_stops_the_app_and_hands_over() {
         let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
         let mut leader = lab.spawn(&args, &as_strs(&recording_app(&trace, &lead_pid)));
         let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
-        let mut standby_args = args.clone();
-        standby_args.push("--wait");
-        let mut standby = lab.spawn(
-            &standby_args,
-            &as_strs(&recording_app(&trace, &standby_pid)),
-        );
-        assert!(
-            wait_until(Duration::from_secs(10), || standby
-                .log_text()
-                .contains("waiting")),
-            "{}: standby never waited: {}",
-            backend.name(),
-            standby.log_text()
-        );
+        let mut standby = waiting_standby(&mut lab, &args, &trace, &standby_pid);
 
         let watchdog = watchdog_of(leader.pid(), Duration::from_secs(5));
         signal_now(watchdog, Signal::SIGKILL);

@@ -4,14 +4,14 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime};
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-use super::{wait_until, GuardProcess};
+use super::{launched_by, wait_until, GuardProcess};
 
 const FREEZER_ROOT: &str = "/sys/fs/cgroup/freezer";
 
@@ -43,23 +43,11 @@ impl Freezer {
     /// program, so the program and everything it ever forks live in the cgroup from their first
     /// instruction. Arguments and environment changes are carried over; stdin and stdout are null.
     pub fn command(&self, cmd: &Command) -> Command {
-        let mut wrapped = Command::new("sh");
-        wrapped
-            .arg("-c")
-            .arg(format!(
-                "echo $$ > '{}/cgroup.procs' && exec \"$0\" \"$@\"",
-                self.dir.display()
-            ))
-            .arg(cmd.get_program())
-            .args(cmd.get_args());
-        for (key, value) in cmd.get_envs() {
-            match value {
-                Some(value) => wrapped.env(key, value),
-                None => wrapped.env_remove(key),
-            };
-        }
-        wrapped.stdin(Stdio::null()).stdout(Stdio::null());
-        wrapped
+        let script = format!(
+            "echo $$ > '{}/cgroup.procs' && exec \"$0\" \"$@\"",
+            self.dir.display()
+        );
+        launched_by(cmd, "sh", &["-c", &script])
     }
 
     /// Every process in the cgroup.

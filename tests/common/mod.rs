@@ -201,22 +201,11 @@ impl Lab {
 
     /// The same command line, with the guard as PID 1 of a new PID namespace, as in a container.
     pub fn command_as_pid1(&self, args: &[&str], app: &[&str]) -> Command {
-        let cmd = self.command(args, app);
-        let program = cmd.get_program().to_owned();
-        let argv: Vec<_> = cmd.get_args().map(|a| a.to_owned()).collect();
-        let mut wrapped = Command::new("unshare");
-        wrapped
-            .args(["--pid", "--fork", "--mount-proc", "--kill-child"])
-            .arg(program)
-            .args(argv);
-        for (key, value) in cmd.get_envs() {
-            match value {
-                Some(value) => wrapped.env(key, value),
-                None => wrapped.env_remove(key),
-            };
-        }
-        wrapped.stdin(Stdio::null()).stdout(Stdio::null());
-        wrapped
+        launched_by(
+            &self.command(args, app),
+            "unshare",
+            &["--pid", "--fork", "--mount-proc", "--kill-child"],
+        )
     }
 
     pub fn start(&mut self, mut cmd: Command) -> GuardProcess {
@@ -240,6 +229,39 @@ impl Lab {
         let code = guard.code(limit);
         (code, guard.log_text())
     }
+}
+
+/// `cmd` started by `launcher launcher_args... program args...`, with `cmd`'s environment changes
+/// carried over; stdin and stdout are null.
+pub fn launched_by(cmd: &Command, launcher: &str, launcher_args: &[&str]) -> Command {
+    let mut wrapped = Command::new(launcher);
+    wrapped
+        .args(launcher_args)
+        .arg(cmd.get_program())
+        .args(cmd.get_args());
+    for (key, value) in cmd.get_envs() {
+        match value {
+            Some(value) => wrapped.env(key, value),
+            None => wrapped.env_remove(key),
+        };
+    }
+    wrapped.stdin(Stdio::null()).stdout(Stdio::null());
+    wrapped
+}
+
+/// A `--wait` standby running `recording_app(trace, pidfile)`, once it says it is waiting.
+pub fn waiting_standby(lab: &mut Lab, args: &[&str], trace: &Path, pidfile: &Path) -> GuardProcess {
+    let mut standby_args = args.to_vec();
+    standby_args.push("--wait");
+    let standby = lab.spawn(&standby_args, &as_strs(&recording_app(trace, pidfile)));
+    assert!(
+        wait_until(Duration::from_secs(10), || standby
+            .log_text()
+            .contains("waiting")),
+        "standby never waited: {}",
+        standby.log_text()
+    );
+    standby
 }
 
 /// An app that records `start <pid>` in `trace`, then writes its pid to `pidfile` (so a pid implies a
