@@ -68,10 +68,18 @@ impl Freezer {
 
     /// Freezes every process in the cgroup; returns once the kernel reports all of them frozen
     /// (the state passes through FREEZING while tasks are still being stopped).
+    ///
+    /// A v1 freezer can stay in FREEZING when it catches a task at a moment it cannot stop (seen
+    /// right after the guard forked); thawing and freezing again gets past it.
     pub fn freeze(&self) {
-        fs::write(self.dir.join("freezer.state"), "FROZEN").unwrap();
-        let frozen = wait_until(Duration::from_secs(10), || self.state() == "FROZEN");
-        assert!(frozen, "cgroup stuck in state {}", self.state());
+        for _ in 0..5 {
+            fs::write(self.dir.join("freezer.state"), "FROZEN").unwrap();
+            if wait_until(Duration::from_secs(2), || self.state() == "FROZEN") {
+                return;
+            }
+            fs::write(self.dir.join("freezer.state"), "THAWED").unwrap();
+        }
+        panic!("cgroup stuck in state {}", self.state());
     }
 
     /// Thaws the cgroup; returns the wall-clock time taken just before the write, so anything the
