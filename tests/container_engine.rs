@@ -1198,17 +1198,13 @@ impl Terminal {
     }
 
     fn wait(&mut self, limit: Duration) -> ExitStatus {
-        let mut status = None;
-        let done = wait_until(limit, || {
-            status = self.child.try_wait().unwrap();
-            status.is_some()
-        });
-        assert!(
-            done,
-            "docker run -it did not exit within {limit:?}:\n{}",
-            self.output()
-        );
-        status.unwrap()
+        let status = exit_within(&mut self.child, limit);
+        status.unwrap_or_else(|| {
+            panic!(
+                "docker run -it did not exit within {limit:?}:\n{}",
+                self.output()
+            )
+        })
     }
 
     fn output(&self) -> String {

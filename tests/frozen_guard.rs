@@ -15,14 +15,13 @@ fn frozen_guards_app_is_stopped_before_a_standby_takes_over() {
         Backend::Redis(redis::Redis::start()),
     ] {
         let mut lab = Lab::new();
-        let url = backend.url();
-        let mut args = vec!["--url", url.as_str(), "--name", "frozen"];
-        args.extend(backend.fast_args());
-        let trace = lab.path("trace");
-        let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
-        let mut leader = lab.spawn(&args, &as_strs(&recording_app(&trace, &lead_pid)));
-        let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
-        let mut standby = waiting_standby(&mut lab, &args, &trace, &standby_pid);
+        let LeaderAndStandby {
+            mut leader,
+            lead_app,
+            mut standby,
+            standby_pid,
+            trace,
+        } = LeaderAndStandby::start(&mut lab, &backend, "frozen");
 
         leader.signal(19); // SIGSTOP
                            // MySQL frees the silent session after wait_timeout (8s here); the Redis lease expires in 3s.

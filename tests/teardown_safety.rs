@@ -164,14 +164,13 @@ fn watchdog_killed_stops_the_app_and_hands_over() {
         Backend::Mysql(mariadb::MariaDb::start()),
     ] {
         let mut lab = Lab::new();
-        let url = backend.url();
-        let mut args = vec!["--url", url.as_str(), "--name", "watchdog-died"];
-        args.extend(backend.fast_args());
-        let trace = lab.path("trace");
-        let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
-        let mut leader = lab.spawn(&args, &as_strs(&recording_app(&trace, &lead_pid)));
-        let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
-        let mut standby = waiting_standby(&mut lab, &args, &trace, &standby_pid);
+        let LeaderAndStandby {
+            mut leader,
+            lead_app,
+            mut standby,
+            standby_pid,
+            trace,
+        } = LeaderAndStandby::start(&mut lab, &backend, "watchdog-died");
 
         let watchdog = watchdog_of(leader.pid(), Duration::from_secs(5));
         signal_now(watchdog, Signal::SIGKILL);

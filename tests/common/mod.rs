@@ -112,17 +112,13 @@ impl GuardProcess {
 
     /// Waits for the guard to exit; panics with its log if it does not within `limit`.
     pub fn wait(&mut self, limit: Duration) -> ExitStatus {
-        let mut status = None;
-        let done = wait_until(limit, || {
-            status = self.child.try_wait().unwrap();
-            status.is_some()
-        });
-        assert!(
-            done,
-            "guard did not exit within {limit:?}; log:\n{}",
-            self.log_text()
-        );
-        status.unwrap()
+        let status = exit_within(&mut self.child, limit);
+        status.unwrap_or_else(|| {
+            panic!(
+                "guard did not exit within {limit:?}; log:\n{}",
+                self.log_text()
+            )
+        })
     }
 
     pub fn code(&mut self, limit: Duration) -> i32 {
@@ -247,6 +243,48 @@ pub fn launched_by(cmd: &Command, launcher: &str, launcher_args: &[&str]) -> Com
     }
     wrapped.stdin(Stdio::null()).stdout(Stdio::null());
     wrapped
+}
+
+/// A leader running `recording_app` and a `--wait` standby behind it on the same lock, both
+/// recording into one trace: the setup of every no-overlap test.
+pub struct LeaderAndStandby {
+    pub leader: GuardProcess,
+    pub lead_app: i32,
+    pub standby: GuardProcess,
+    pub standby_pid: PathBuf,
+    pub trace: PathBuf,
+}
+
+impl LeaderAndStandby {
+    /// Lock `name` on `backend` with its fast timings; returns once the leader's app runs and the
+    /// standby waits.
+    pub fn start(lab: &mut Lab, backend: &Backend, name: &str) -> LeaderAndStandby {
+        let url = backend.url();
+        let mut args = vec!["--url", url.as_str(), "--name", name];
+        args.extend(backend.fast_args());
+        let trace = lab.path("trace");
+        let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
+        let leader = lab.spawn(&args, &as_strs(&recording_app(&trace, &lead_pid)));
+        let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
+        let standby = waiting_standby(lab, &args, &trace, &standby_pid);
+        LeaderAndStandby {
+            leader,
+            lead_app,
+            standby,
+            standby_pid,
+            trace,
+        }
+    }
+}
+
+/// Polls `child` until it exits or `limit` passes.
+pub fn exit_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
+    let mut status = None;
+    wait_until(limit, || {
+        status = child.try_wait().unwrap();
+        status.is_some()
+    });
+    status
 }
 
 /// A `--wait` standby running `recording_app(trace, pidfile)`, once it says it is waiting.
