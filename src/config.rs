@@ -43,6 +43,16 @@ pub const MAX_TAKEOVER_DELAY: Duration = HOUR;
 pub const MAX_WAIT: Duration = Duration::from_secs(365 * 86_400);
 pub const MAX_MAX_RUNTIME: Duration = Duration::from_secs(365 * 86_400);
 
+/// The bounds of the timeouts the guard and `status` share.
+fn bound_lock_timeouts(lock: &LockArgs) -> Result<(), ConfigError> {
+    at_most("--check-timeout", lock.check_timeout, MAX_CHECK_TIMEOUT)?;
+    at_most(
+        "--connect-timeout",
+        lock.connect_timeout,
+        MAX_CONNECT_TIMEOUT,
+    )
+}
+
 /// `option value` must not exceed `max`.
 fn at_most(option: &str, value: Duration, max: Duration) -> Result<(), ConfigError> {
     if value > max {
@@ -147,16 +157,7 @@ impl StatusConfig {
                 "--connect-timeout and --check-timeout must be longer than 0s",
             ));
         }
-        at_most(
-            "--connect-timeout",
-            args.lock.connect_timeout,
-            MAX_CONNECT_TIMEOUT,
-        )?;
-        at_most(
-            "--check-timeout",
-            args.lock.check_timeout,
-            MAX_CHECK_TIMEOUT,
-        )?;
+        bound_lock_timeouts(&args.lock)?;
         Ok(StatusConfig {
             name,
             target,
@@ -197,22 +198,13 @@ impl Config {
             ));
         }
         // Bounds first, so every later computation stays well inside Duration's range.
+        bound_lock_timeouts(&cli.lock)?;
         for (option, value, max) in [
             ("--grace-period", Some(cli.grace_period), MAX_GRACE_PERIOD),
             (
                 "--check-interval",
                 Some(cli.check_interval),
                 MAX_CHECK_INTERVAL,
-            ),
-            (
-                "--check-timeout",
-                Some(cli.lock.check_timeout),
-                MAX_CHECK_TIMEOUT,
-            ),
-            (
-                "--connect-timeout",
-                Some(cli.lock.connect_timeout),
-                MAX_CONNECT_TIMEOUT,
             ),
             ("--ttl", Some(cli.ttl), MAX_TTL),
             ("--renew-interval", cli.renew_interval, MAX_RENEW_INTERVAL),

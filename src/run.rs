@@ -323,8 +323,8 @@ impl Guard<'_> {
                 () = at(max_runtime_at) => break Ending::MaxRuntime,
             }
         };
-        let lock_deadline = lock_deadline(&app_deadline);
-        self.finish(app, held, ending, lock_deadline, kill_at).await
+        let last_deadline = lock_deadline(&app_deadline);
+        self.finish(app, held, ending, last_deadline, kill_at).await
     }
 
     /// The one way out of supervision: stop the app's whole tree, then give the lock back if it is

@@ -87,7 +87,6 @@ impl Supervisor {
             Ok(watchdog) => watchdog,
             Err(error) => {
                 // Without its dead man's switch the app must not run; the lock waits for its end.
-                let _ = killpg(app, Signal::SIGKILL);
                 let gone =
                     teardown(&mut reaper, app, Signal::SIGKILL, Deadline::now(), || {}).await;
                 reaper.reap_app();
@@ -135,7 +134,7 @@ impl Supervisor {
             if let (Some(status), false) = (self.reaper.watchdog_status(), self.watchdog_reported) {
                 self.watchdog_reported = true;
                 return Event::WatchdogEnded {
-                    acted: status == AppStatus::Exited(watchdog::EXIT_ACTED),
+                    acted: watchdog::acted(status),
                 };
             }
             if let Some(status) = self.reaper.app_status() {
@@ -201,7 +200,7 @@ impl Supervisor {
         loop {
             self.reaper.reap();
             if let Some(status) = self.reaper.watchdog_status() {
-                return status == AppStatus::Exited(watchdog::EXIT_ACTED);
+                return watchdog::acted(status);
             }
             if until.has_passed() {
                 // It is the guard's own child, so its pid is still its own: no one else is hit.

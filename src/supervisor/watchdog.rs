@@ -40,14 +40,19 @@ use nix::unistd::{pipe2, Pid};
 use tracing::{debug, error, info, info_span, warn};
 
 use crate::deadline::{BootTimer, Deadline};
-use crate::vocab::LossReason;
+use crate::vocab::{AppStatus, LossReason};
 
 /// The fd on which the watchdog reads the guard's messages.
 const MESSAGE_FD: RawFd = 3;
 /// The fd of a locked file the watchdog keeps open until the app's group is gone.
 const KEPT_FD: RawFd = 4;
 /// The watchdog's exit code after it stopped the app of an unresponsive guard.
-pub const EXIT_ACTED: u8 = 10;
+const EXIT_ACTED: u8 = 10;
+
+/// Whether the watchdog, ended with `status`, had stopped the app of an unresponsive guard.
+pub fn acted(status: AppStatus) -> bool {
+    status == AppStatus::Exited(EXIT_ACTED)
+}
 /// The watchdog starts stopping the app this long after the guard would have: a healthy guard acts
 /// first and starts its own teardown, so the two never signal the app together.
 const SLACK: Duration = Duration::from_millis(200);
