@@ -140,7 +140,7 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
         v
     };
     let leader_args = args(&leader_url, &[]);
-    let standby_args = args(&direct, &["--wait", "--takeover-delay", TAKEOVER_DELAY]);
+    let standby_args = args(&direct, &["--takeover-delay", TAKEOVER_DELAY]);
     let cgroup = (fault == Fault::TreeFreeze).then(Freezer::create);
     let leader_cmd = lab.command(
         &as_strs(&leader_args),
@@ -153,16 +153,10 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
     // Declared after the leader so it is dropped first: a frozen guard could not be waited for.
     let cgroup = cgroup;
     let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
-    let mut standby = lab.spawn(
+    let mut standby = waiting_standby(
+        &mut lab,
         &as_strs(&standby_args),
         &as_strs(&slow_stopping_app(&trace, &standby_pid)),
-    );
-    assert!(
-        wait_until(Duration::from_secs(10), || standby
-            .log_text()
-            .contains("waiting")),
-        "{}",
-        standby.log_text()
     );
 
     let faulted = Instant::now();

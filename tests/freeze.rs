@@ -99,7 +99,11 @@ fn frozen_tree_is_killed_at_thaw(backend: &Backend, timings: &[&str], lock_life:
         );
     }
 
-    let mut standby = waiting_standby(&mut lab, &args, &trace, &standby_pid);
+    let mut standby = waiting_standby(
+        &mut lab,
+        &args,
+        &as_strs(&recording_app(&trace, &standby_pid)),
+    );
     assert!(
         wait_until(Duration::from_secs(5), || last_beat(&beats).is_some()),
         "{}: the leader's app never beat",

@@ -314,16 +314,7 @@ fn guard_sigkill_never_hands_over_to_a_live_app() {
         );
         let mut leader = lab.spawn(&args, &["sh", "-c", &leader_app]);
         let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
-        let mut standby_args = args.to_vec();
-        standby_args.push("--wait");
-        let mut standby = lab.spawn(&standby_args, &["sh", "-c", &standby_app]);
-        assert!(
-            wait_until(Duration::from_secs(10), || standby
-                .log_text()
-                .contains("waiting")),
-            "round {round}: standby never waited: {}",
-            standby.log_text()
-        );
+        let mut standby = waiting_standby(&mut lab, &args, &["sh", "-c", &standby_app]);
 
         signal_now(leader.pid(), Signal::SIGKILL);
         read_pid(&standby_pid, Duration::from_secs(10));
@@ -369,31 +360,16 @@ fn processes_of(uid: u32) -> Vec<i32> {
 /// `guard <args> -- <app>` run as `NPROC_UID` with no supplementary groups, under
 /// `RLIMIT_NPROC = nproc` when given. prlimit and setpriv both exec, so the guard keeps the pid.
 fn unprivileged(lab: &Lab, nproc: Option<usize>, args: &[&str], app: &[&str]) -> Command {
-    let guard = lab.command(args, app);
-    let mut cmd = Command::new("prlimit");
-    if let Some(n) = nproc {
-        cmd.arg(format!("--nproc={n}"));
-    }
     let uid = NPROC_UID.to_string();
-    cmd.args([
+    let guard = launched_by(
+        &lab.command(args, app),
         "setpriv",
-        "--reuid",
-        &uid,
-        "--regid",
-        &uid,
-        "--clear-groups",
-        "--",
-    ])
-    .arg(guard.get_program())
-    .args(guard.get_args());
-    for (key, value) in guard.get_envs() {
-        match value {
-            Some(value) => cmd.env(key, value),
-            None => cmd.env_remove(key),
-        };
+        &["--reuid", &uid, "--regid", &uid, "--clear-groups", "--"],
+    );
+    match nproc {
+        Some(n) => launched_by(&guard, "prlimit", &[&format!("--nproc={n}")]),
+        None => guard,
     }
-    cmd.stdin(Stdio::null()).stdout(Stdio::null());
-    cmd
 }
 
 fn flock_now(path: &Path) -> Option<Flock<File>> {

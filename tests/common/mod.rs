@@ -266,7 +266,7 @@ impl LeaderAndStandby {
         let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
         let leader = lab.spawn(&args, &as_strs(&recording_app(&trace, &lead_pid)));
         let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
-        let standby = waiting_standby(lab, &args, &trace, &standby_pid);
+        let standby = waiting_standby(lab, &args, &as_strs(&recording_app(&trace, &standby_pid)));
         LeaderAndStandby {
             leader,
             lead_app,
@@ -287,11 +287,11 @@ pub fn exit_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
     status
 }
 
-/// A `--wait` standby running `recording_app(trace, pidfile)`, once it says it is waiting.
-pub fn waiting_standby(lab: &mut Lab, args: &[&str], trace: &Path, pidfile: &Path) -> GuardProcess {
+/// A guard started with `args` plus `--wait`, running `app`, once it says it is waiting.
+pub fn waiting_standby(lab: &mut Lab, args: &[&str], app: &[&str]) -> GuardProcess {
     let mut standby_args = args.to_vec();
     standby_args.push("--wait");
-    let standby = lab.spawn(&standby_args, &as_strs(&recording_app(trace, pidfile)));
+    let standby = lab.spawn(&standby_args, app);
     assert!(
         wait_until(Duration::from_secs(10), || standby
             .log_text()
