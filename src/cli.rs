@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser, ValueEnum};
 
+use crate::window::IfUnavailable;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "sentinel-guard",
@@ -87,6 +89,31 @@ pub struct Cli {
     /// Stop the command gracefully after this long and exit 124 (watchdog for cron-style jobs; at most 365d)
     #[arg(long, env = "SENTINEL_GUARD_MAX_RUNTIME", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub max_runtime: Option<Duration>,
+
+    /// Scheduled job, resident: at each window of DUR (on the backend's clock) one replica claims the
+    /// window and runs the command; the guard stays up between runs (whole seconds, 1s to 365d)
+    #[arg(long, env = "SENTINEL_GUARD_EVERY", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub every: Option<Duration>,
+
+    /// Scheduled job, one shot (a cron line on every host): run the command if the current window of
+    /// DUR is unclaimed, else exit 0 without running it (whole seconds, 1s to 365d)
+    #[arg(long, env = "SENTINEL_GUARD_ONCE_PER", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub once_per: Option<Duration>,
+
+    /// Shift the windows of --every/--once-per: --every 24h --window-offset 2h runs daily at 02:00 UTC
+    /// (whole seconds, below the window) [default: 0s]
+    #[arg(long, env = "SENTINEL_GUARD_WINDOW_OFFSET", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub window_offset: Option<Duration>,
+
+    /// For --every/--once-per, when the backend cannot be reached or cannot record the claim: skip the
+    /// window (a one-shot exits 69), or run the command WITHOUT a lock after a warning [default: skip]
+    #[arg(
+        long,
+        env = "SENTINEL_GUARD_IF_UNAVAILABLE",
+        value_enum,
+        value_name = "POLICY"
+    )]
+    pub if_unavailable: Option<IfUnavailable>,
 
     /// Serve /metrics, /healthz and /leader over HTTP on this address, e.g. 0.0.0.0:9464 (default: off)
     #[arg(long, env = "SENTINEL_GUARD_METRICS_ADDR", value_name = "ADDR")]

@@ -11,6 +11,7 @@ use nix::sys::signal::Signal;
 use thiserror::Error;
 
 use crate::cli::{Cli, ForwardTo, LockArgs, LogFormat, OutputFormat, StatusArgs, Subcommand};
+use crate::window::{IfUnavailable, Schedule, ScheduleMode};
 
 /// A configuration mistake: reported with exit code 2 before anything is contacted.
 #[derive(Debug, Error)]
@@ -42,6 +43,7 @@ pub const MAX_RENEW_INTERVAL: Duration = DAY;
 pub const MAX_TAKEOVER_DELAY: Duration = HOUR;
 pub const MAX_WAIT: Duration = Duration::from_secs(365 * 86_400);
 pub const MAX_MAX_RUNTIME: Duration = Duration::from_secs(365 * 86_400);
+pub const MAX_WINDOW: Duration = Duration::from_secs(365 * 86_400);
 
 /// The bounds of the timeouts the guard and `status` share.
 fn bound_lock_timeouts(lock: &LockArgs) -> Result<(), ConfigError> {
@@ -70,7 +72,7 @@ const MAX_NAME_LEN: usize = 64;
 /// What the command line asks for.
 #[derive(Debug)]
 pub enum Invocation {
-    Guard(Config),
+    Guard(Box<Config>),
     Status(StatusConfig),
     Man,
     Completions(clap_complete::Shell),
@@ -85,7 +87,10 @@ impl Invocation {
             }
             Some(Subcommand::Man) => Ok(Invocation::Man),
             Some(Subcommand::Completions { shell }) => Ok(Invocation::Completions(shell)),
-            None => Ok(Invocation::Guard(Config::from_cli(cli, guard_switch)?)),
+            None => Ok(Invocation::Guard(Box::new(Config::from_cli(
+                cli,
+                guard_switch,
+            )?))),
         }
     }
 }
@@ -104,6 +109,8 @@ pub struct Config {
     pub forward_to: ForwardTo,
     pub exit_code_map: ExitCodeMap,
     pub max_runtime: Option<Duration>,
+    /// `--every` or `--once-per`: runs in windows rather than one run under a held lock.
+    pub schedule: Option<Schedule>,
     pub metrics_addr: Option<std::net::SocketAddr>,
     pub log_format: LogFormat,
     pub command: Vec<OsString>,
@@ -231,22 +238,88 @@ impl Config {
         if cli.max_runtime == Some(Duration::ZERO) {
             return Err(invalid("--max-runtime must be longer than 0s"));
         }
+        let wait = Wait::parse(cli.wait.as_deref())?;
+        let schedule = schedule(&cli, wait, target.as_ref())?;
         Ok(Config {
             name,
             target: if guarded { target } else { None },
             timings,
             held_exit_code: cli.held_exit_code,
             stop_signal: parse_signal(&cli.stop_signal)?,
-            wait: Wait::parse(cli.wait.as_deref())?,
+            wait,
             takeover_delay: cli.takeover_delay,
             forward_to: cli.forward_to,
             exit_code_map: ExitCodeMap::parse(&cli.exit_code_map)?,
             max_runtime: cli.max_runtime,
+            schedule,
             metrics_addr: cli.metrics_addr,
             log_format: cli.log_format,
             command: cli.command,
         })
     }
+}
+
+/// `--every`/`--once-per` and their companions, checked against each other and the backend.
+fn schedule(
+    cli: &Cli,
+    wait: Wait,
+    target: Option<&Target>,
+) -> Result<Option<Schedule>, ConfigError> {
+    let (option, period, mode) = match (cli.every, cli.once_per) {
+        (Some(_), Some(_)) => return Err(invalid(
+            "--every and --once-per cannot be used together: --every keeps a scheduler running, \
+                 --once-per runs at most once and exits (for a cron line)",
+        )),
+        (Some(period), None) => ("--every", period, ScheduleMode::Every),
+        (None, Some(period)) => ("--once-per", period, ScheduleMode::OncePer),
+        (None, None) => {
+            if cli.window_offset.is_some() || cli.if_unavailable.is_some() {
+                return Err(invalid(
+                    "--window-offset and --if-unavailable only apply to --every or --once-per",
+                ));
+            }
+            return Ok(None);
+        }
+    };
+    if wait != Wait::No {
+        return Err(invalid(format!(
+            "{option} cannot be used with --wait: a window is claimed when it starts, or skipped"
+        )));
+    }
+    at_most(option, period, MAX_WINDOW)?;
+    let offset = cli.window_offset.unwrap_or(Duration::ZERO);
+    for (what, value) in [(option, period), ("--window-offset", offset)] {
+        if value.subsec_nanos() != 0 {
+            return Err(invalid(format!(
+                "{what} {} must be a whole number of seconds",
+                humantime::format_duration(value)
+            )));
+        }
+    }
+    if period < Duration::from_secs(1) {
+        return Err(invalid(format!("{option} must be at least 1s")));
+    }
+    if offset >= period {
+        return Err(invalid(format!(
+            "--window-offset {} must be shorter than the window ({option} {})",
+            humantime::format_duration(offset),
+            humantime::format_duration(period)
+        )));
+    }
+    if let Some(Target::Mysql(mysql)) = target {
+        if mysql.opts.db_name().is_none() {
+            return Err(invalid(format!(
+                "{option} with MySQL needs a database in the URL (mysql://user:pass@host/db): the table \
+                 sentinel_guard_windows that records claimed windows lives there"
+            )));
+        }
+    }
+    Ok(Some(Schedule {
+        period,
+        offset,
+        mode,
+        if_unavailable: cli.if_unavailable.unwrap_or(IfUnavailable::Skip),
+    }))
 }
 
 fn parse_guard_switch(value: Option<&str>) -> Result<bool, ConfigError> {
@@ -812,7 +885,9 @@ mod never_panics {
 
     use super::*;
 
-    const DURATION_FLAGS: [&str; 9] = [
+    const DURATION_FLAGS: [&str; 11] = [
+        "--every",
+        "--once-per",
         "--grace-period",
         "--check-interval",
         "--check-timeout",
@@ -823,6 +898,83 @@ mod never_panics {
         "--max-runtime",
         "--wait",
     ];
+
+    #[test]
+    fn schedules_refuse_conflicts_and_windows_they_cannot_number() {
+        let run = |flags: &[&str], url: &str| {
+            let mut args: Vec<String> = ["sentinel-guard", "--url", url, "--name", "job"]
+                .map(String::from)
+                .to_vec();
+            args.extend(flags.iter().map(|f| f.to_string()));
+            args.extend(["--".to_owned(), "true".to_owned()]);
+            invocation(&args, None)
+        };
+        let file = "file:///tmp/job.lock";
+        let refused = [
+            (
+                &["--every", "1m", "--once-per", "1m"][..],
+                file,
+                "cannot be used together",
+            ),
+            (
+                &["--every", "1m", "--wait"][..],
+                file,
+                "--every cannot be used with --wait",
+            ),
+            (
+                &["--once-per", "1h", "--wait=5s"][..],
+                file,
+                "--once-per cannot be used with --wait",
+            ),
+            (&["--every", "1500ms"][..], file, "whole number of seconds"),
+            (
+                &["--every", "1h", "--window-offset", "1h"][..],
+                file,
+                "shorter than the window",
+            ),
+            (
+                &["--window-offset", "1m"][..],
+                file,
+                "only apply to --every or --once-per",
+            ),
+            (
+                &["--if-unavailable", "run"][..],
+                file,
+                "only apply to --every or --once-per",
+            ),
+            (
+                &["--every", "1m"][..],
+                "mysql://u:p@127.0.0.1:3306",
+                "needs a database in the URL",
+            ),
+        ];
+        for (flags, url, message) in refused {
+            let error = run(flags, url).expect_err(&format!("{flags:?} was accepted"));
+            assert!(error.contains(message), "{flags:?}: {error}");
+        }
+        let Ok(Invocation::Guard(config)) = run(
+            &[
+                "--every",
+                "24h",
+                "--window-offset",
+                "2h",
+                "--if-unavailable",
+                "run",
+            ],
+            "mysql://u:p@127.0.0.1:3306/app",
+        ) else {
+            panic!("a daily schedule at 02:00 was refused");
+        };
+        assert_eq!(
+            config.schedule,
+            Some(Schedule {
+                period: Duration::from_secs(86_400),
+                offset: Duration::from_secs(7_200),
+                mode: ScheduleMode::Every,
+                if_unavailable: IfUnavailable::Run,
+            })
+        );
+    }
 
     fn invocation(args: &[String], guard_switch: Option<&str>) -> Result<Invocation, String> {
         let cli = Cli::try_parse_from(args).map_err(|e| e.to_string())?;

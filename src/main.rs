@@ -14,6 +14,7 @@ mod run;
 mod status;
 mod supervisor;
 mod vocab;
+mod window;
 
 use std::process::ExitCode;
 

@@ -18,6 +18,7 @@ use tokio::sync::watch;
 
 use crate::deadline::Deadline;
 use crate::vocab::{AppStatus, LossReason};
+use crate::window::WindowOutcome;
 
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -96,6 +97,16 @@ pub struct Metrics {
     app_exits_total: Family<Labels, Counter>,
     /// By when the held lock must be proven again; read at scrape time for the lease gauge and health.
     deadline: Arc<Mutex<Option<watch::Receiver<Deadline>>>>,
+    /// Only for scheduled runs (`--every`, `--once-per`).
+    runs: Option<Runs>,
+}
+
+/// What became of each window, and how this replica's last run ended.
+#[derive(Clone)]
+struct Runs {
+    total: Family<Labels, Counter>,
+    last_exit_code: Gauge,
+    last_end: Gauge<f64, AtomicU64>,
 }
 
 impl Metrics {
@@ -104,6 +115,7 @@ impl Metrics {
         backend: &'static str,
         unguarded: bool,
         check_timeout: Duration,
+        window: Option<Duration>,
     ) -> Metrics {
         let labels = [
             (Cow::Borrowed("name"), Cow::Owned(name.to_owned())),
@@ -179,6 +191,36 @@ impl Metrics {
             "1 when SINGLE_INSTANCE_GUARD=false runs the app without any lock",
             unguarded_gauge,
         );
+        let runs = window.map(|period| {
+            let runs = Runs {
+                total: zeroed("outcome", WindowOutcome::ALL.map(WindowOutcome::as_str)),
+                last_exit_code: Gauge::default(),
+                last_end: Gauge::default(),
+            };
+            registry.register(
+                "runs",
+                "Windows of a scheduled job, by what became of them on this replica",
+                runs.total.clone(),
+            );
+            registry.register(
+                "last_run_exit_code",
+                "Exit code of the last run this replica started (the guard's code for it)",
+                runs.last_exit_code.clone(),
+            );
+            registry.register(
+                "last_run_end_timestamp_seconds",
+                "When the last run this replica started ended, in seconds since the Unix epoch",
+                runs.last_end.clone(),
+            );
+            let seconds = Gauge::<f64, AtomicU64>::default();
+            seconds.set(period.as_secs_f64());
+            registry.register(
+                "window_seconds",
+                "--every or --once-per: the length of one window",
+                seconds,
+            );
+            runs
+        });
         registry.register(
             "build",
             "The guard's version",
@@ -194,6 +236,18 @@ impl Metrics {
             app_running,
             app_exits_total,
             deadline: Arc::default(),
+            runs,
+        }
+    }
+
+    /// A window decided on this replica; for a run, how it ended (`exit_code`, at `ended`).
+    pub fn window(&self, outcome: WindowOutcome, ended: Option<(u8, std::time::SystemTime)>) {
+        let Some(runs) = &self.runs else { return };
+        inc(&runs.total, "outcome", outcome.as_str());
+        if let Some((code, at)) = ended {
+            runs.last_exit_code.set(i64::from(code));
+            let at = at.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            runs.last_end.set(at.as_secs_f64());
         }
     }
 

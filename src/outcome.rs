@@ -30,6 +30,11 @@ pub enum Outcome {
     /// A signal asked the guard to stop before the app was started (while taking or waiting for the
     /// lock): reported like a held lock, since no app ran.
     StoppedBeforeStart,
+    /// `--once-per`: the current window was already claimed, or the previous run still holds the
+    /// lock; the app was not started, and nothing is wrong.
+    WindowNotOurs,
+    /// `--every`: a signal stopped the scheduler while no run was going.
+    StoppedBetweenRuns,
     /// The guard itself could not set up (signal handlers, runtime).
     Internal,
     /// The invocation names something unusable that only showed when it was touched (a lock path
@@ -49,6 +54,8 @@ impl std::fmt::Display for Outcome {
             Outcome::NotFound => f.write_str("command not found"),
             Outcome::NotExecutable => f.write_str("command not executable"),
             Outcome::StoppedBeforeStart => f.write_str("stopped before the app started"),
+            Outcome::WindowNotOurs => f.write_str("window claimed elsewhere or busy"),
+            Outcome::StoppedBetweenRuns => f.write_str("scheduler stopped between runs"),
             Outcome::Internal => f.write_str("internal error"),
             Outcome::Usage => f.write_str("usage error"),
         }
@@ -60,6 +67,7 @@ impl Outcome {
         match self {
             Outcome::AppExited(status) => map.apply(status.code()),
             Outcome::HeldElsewhere | Outcome::StoppedBeforeStart => held_exit_code,
+            Outcome::WindowNotOurs | Outcome::StoppedBetweenRuns => 0,
             Outcome::Unavailable => EXIT_UNAVAILABLE,
             Outcome::LockLost => EXIT_LOCK_LOST,
             Outcome::MaxRuntime => EXIT_MAX_RUNTIME,
@@ -100,5 +108,7 @@ mod tests {
         assert_eq!(Outcome::NotFound.exit_code(1, &map), 127);
         assert_eq!(Outcome::StoppedBeforeStart.exit_code(3, &map), 3);
         assert_eq!(Outcome::Usage.exit_code(1, &map), 2);
+        assert_eq!(Outcome::WindowNotOurs.exit_code(3, &map), 0);
+        assert_eq!(Outcome::StoppedBetweenRuns.exit_code(3, &map), 0);
     }
 }

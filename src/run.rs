@@ -6,8 +6,14 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, error, info, info_span, warn, Instrument, Span};
 
-use crate::backend::{self, Acquisition, HeldLock, LockLoss, LockRequest, Patience};
-use crate::config::{Config, Wait};
+use std::cell::Cell;
+use std::time::{Duration, SystemTime};
+
+use crate::backend::{
+    self, Acquisition, ClaimAnswer, ClaimRequest, HeldLock, LockError, LockLoss, LockRequest,
+    Patience,
+};
+use crate::config::{Config, Target, Wait};
 use crate::deadline::{self, AsyncBootTimer, Deadline};
 use crate::endpoints::Endpoints;
 use crate::holder::Holder;
@@ -19,6 +25,7 @@ use crate::supervisor::{
     TreeGone,
 };
 use crate::vocab::{signal_name, AppStatus, LossReason};
+use crate::window::{self, IfUnavailable, Schedule, ScheduleMode, Window, WindowOutcome};
 
 /// Variables the app must never see: they may carry the backend's credentials.
 const HIDDEN_FROM_APP: &[&str] = &["SENTINEL_GUARD_URL", "SENTINEL_GUARD_URL_FILE"];
@@ -38,13 +45,14 @@ pub async fn run(config: &Config, endpoints: Option<Endpoints>) -> Outcome {
         backend,
         config.target.is_none(),
         config.timings.check_timeout,
+        config.schedule.map(|s| s.period),
     );
     let guard = Guard {
         config,
         holder: &holder,
         backend,
         metrics,
-        span: span.clone(),
+        stop_requested: Cell::new(false),
     };
     let outcome = guard.run(endpoints).instrument(span.clone()).await;
     span.in_scope(|| {
@@ -64,7 +72,8 @@ struct Guard<'a> {
     holder: &'a Holder,
     backend: &'static str,
     metrics: Metrics,
-    span: Span,
+    /// A signal asked the guard to stop while an app ran: a scheduler starts no further run.
+    stop_requested: Cell<bool>,
 }
 
 impl Guard<'_> {
@@ -95,13 +104,18 @@ impl Guard<'_> {
             );
             return Outcome::Internal;
         }
-        let Some(target) = &self.config.target else {
+        if self.config.target.is_none() {
             warn!(
                 event = "unguarded",
                 "SINGLE_INSTANCE_GUARD=false: running the app WITHOUT ANY LOCK; several copies may run at once. \
                  Never use this in production."
             );
-            return self.supervise(None, &mut signals).await;
+        }
+        if let Some(schedule) = &self.config.schedule {
+            return self.scheduled(schedule, &mut signals).await;
+        }
+        let Some(target) = &self.config.target else {
+            return self.supervise(None, &mut signals, None).await;
         };
         let patience = match self.config.wait {
             Wait::No => Patience::None,
@@ -150,8 +164,310 @@ impl Guard<'_> {
             }
         };
         match self.takeover_delay(held, &mut signals).await {
-            Ok(held) => self.supervise(Some(held), &mut signals).await,
+            Ok(held) => self.supervise(Some(held), &mut signals, None).await,
             Err(outcome) => outcome,
+        }
+    }
+
+    /// `--every` and `--once-per`: windows numbered on the backend's clock, each claimed by at most
+    /// one replica and run under the lock with the usual supervision.
+    async fn scheduled(&self, schedule: &Schedule, signals: &mut SignalEvents) -> Outcome {
+        let timings = &self.config.timings;
+        // The last window this replica has decided on: never tried twice.
+        let mut decided: Option<i64> = None;
+        let mut after_run = false;
+        let mut not_now = 0;
+        loop {
+            let clock = match &self.config.target {
+                Some(target) => tokio::select! {
+                    clock = backend::server_clock(target, timings) => clock,
+                    signal = stop_request(signals) => return self.stopped_between_runs(schedule, signal),
+                },
+                None => Ok(window::local_now()),
+            };
+            // Unreachable, the backend's clock is unknown: this host's numbers the windows meanwhile.
+            let (now, unavailable) = match clock {
+                Ok(now) => (now, None),
+                Err(e) => (window::local_now(), Some(e)),
+            };
+            let window = schedule.window_at(now);
+            if after_run && decided.is_some_and(|d| window.index > d) {
+                // Windows that started while the last run held the lock are skipped by every replica.
+                self.window_decided(&window, WindowOutcome::Busy, None);
+                decided = Some(window.index);
+            }
+            after_run = false;
+            if decided.is_some_and(|d| window.index <= d) {
+                // A millisecond past the start, so the backend's clock is in the window too.
+                let nap = window.until_end(now) + Duration::from_millis(1);
+                tokio::select! {
+                    () = tokio::time::sleep(nap) => continue,
+                    signal = stop_request(signals) => return self.stopped_between_runs(schedule, signal),
+                }
+            }
+            let tried = match (unavailable, &self.config.target) {
+                (Some(error), _) => self.unavailable(schedule, &window, &error, signals).await,
+                (None, Some(target)) => self.try_window(target, schedule, &window, signals).await,
+                (None, None) => self.run_window(None, schedule, &window, signals).await,
+            };
+            let outcome = match tried {
+                Tried::NotNow if not_now < MAX_NOT_NOW => {
+                    not_now += 1;
+                    tokio::time::sleep(NOT_NOW_PAUSE).await;
+                    continue;
+                }
+                Tried::NotNow => {
+                    let error = LockError::Unsafe(
+                        "the backend refused every claim of the window its own clock names"
+                            .to_owned(),
+                    );
+                    self.unavailable(schedule, &window, &error, signals).await
+                }
+                other => other,
+            };
+            not_now = 0;
+            decided = Some(window.index);
+            let outcome = match outcome {
+                Tried::Stopped(outcome) => return outcome,
+                Tried::Decided { outcome, ran } => {
+                    after_run = ran;
+                    outcome
+                }
+                Tried::NotNow => unreachable!("handled above"),
+            };
+            if schedule.mode == ScheduleMode::OncePer || self.stop_requested.get() {
+                return outcome;
+            }
+        }
+    }
+
+    /// One window: take the lock without waiting, claim the window under it, run the app.
+    async fn try_window(
+        &self,
+        target: &Target,
+        schedule: &Schedule,
+        window: &Window,
+        signals: &mut SignalEvents,
+    ) -> Tried {
+        let request = LockRequest {
+            name: &self.config.name,
+            timings: &self.config.timings,
+            holder: self.holder,
+            patience: Patience::None,
+            metrics: &self.metrics,
+        };
+        let attempt = tokio::select! {
+            attempt = backend::acquire(target, &request) => attempt,
+            signal = stop_request(signals) => return Tried::Stopped(self.stopped_between_runs(schedule, signal)),
+        };
+        let mut held = match attempt {
+            Ok(Acquisition::Acquired(held)) => held,
+            Ok(Acquisition::HeldElsewhere(holder)) => {
+                let claimed_elsewhere = self.claimed_since(target, window).await;
+                let (outcome, holder) = match &claimed_elsewhere {
+                    Some(claim) => (
+                        WindowOutcome::ClaimedElsewhere,
+                        format!("holder_id={} host={}", claim.holder_id, claim.host),
+                    ),
+                    None => (WindowOutcome::Busy, holder.to_string()),
+                };
+                self.window_decided(window, outcome, Some(&holder));
+                return Tried::not_ours();
+            }
+            Err(LockError::NotALockFile(e)) => {
+                error!(event = "acquire_failed", error = %e, "cannot take the lock; the app was not started");
+                return Tried::Stopped(Outcome::Usage);
+            }
+            Err(e) => {
+                self.metrics.acquire(AcquireOutcome::Error);
+                return self.unavailable(schedule, window, &e, signals).await;
+            }
+        };
+        let claim = self.claim_request(schedule, window);
+        match held.claim(&claim).await {
+            Ok(ClaimAnswer::Ours) => {
+                self.metrics.acquire(AcquireOutcome::Acquired);
+                self.metrics.lock_taken(held.app_deadline());
+                self.run_window(Some(held), schedule, window, signals).await
+            }
+            Ok(ClaimAnswer::Taken(claim)) => {
+                self.release_unused(Some(held)).await;
+                let holder = format!("holder_id={} host={}", claim.holder_id, claim.host);
+                self.window_decided(window, WindowOutcome::ClaimedElsewhere, Some(&holder));
+                Tried::not_ours()
+            }
+            Ok(ClaimAnswer::NotNow) => {
+                self.release_unused(Some(held)).await;
+                debug!(
+                    event = "window_not_now",
+                    window = window.index,
+                    "the backend's clock or lock no longer fits the window; looking again"
+                );
+                Tried::NotNow
+            }
+            Err(e) => {
+                self.release_unused(Some(held)).await;
+                self.unavailable(schedule, window, &e, signals).await
+            }
+        }
+    }
+
+    /// Runs the app for a window: under `held`, or without any lock (unguarded, or `--if-unavailable run`).
+    async fn run_window(
+        &self,
+        held: Option<HeldLock>,
+        schedule: &Schedule,
+        window: &Window,
+        signals: &mut SignalEvents,
+    ) -> Tried {
+        // Without a lock although a backend is configured: only `--if-unavailable run` does that.
+        let outcome = if held.is_none() && self.config.target.is_some() {
+            WindowOutcome::UnavailableRan
+        } else {
+            WindowOutcome::Ran
+        };
+        if outcome == WindowOutcome::Ran {
+            self.window_decided(window, outcome, None);
+        }
+        let claim = self.claim_request(schedule, window);
+        let span = info_span!(
+            "run",
+            window = window.index,
+            app_pid = tracing::field::Empty
+        );
+        let ended = match held {
+            Some(held) => match self.takeover_delay(held, signals).await {
+                Ok(held) => {
+                    self.supervise(Some(held), signals, Some(&claim))
+                        .instrument(span)
+                        .await
+                }
+                Err(Outcome::StoppedBeforeStart) => {
+                    return Tried::Stopped(self.stopped_outcome(schedule))
+                }
+                Err(lost) => lost,
+            },
+            None => {
+                self.supervise(None, signals, Some(&claim))
+                    .instrument(span)
+                    .await
+            }
+        };
+        let code = ended.exit_code(self.config.held_exit_code, &self.config.exit_code_map);
+        self.metrics
+            .window(outcome, Some((code, SystemTime::now())));
+        info!(event = "run_ended", window = window.index, outcome = %ended, exit_code = code, "run of the window ended");
+        Tried::Decided {
+            outcome: ended,
+            ran: true,
+        }
+    }
+
+    /// The backend could not be reached or could not record the claim: the job's own policy decides.
+    async fn unavailable(
+        &self,
+        schedule: &Schedule,
+        window: &Window,
+        error: &LockError,
+        signals: &mut SignalEvents,
+    ) -> Tried {
+        match schedule.if_unavailable {
+            IfUnavailable::Skip => {
+                self.metrics.window(WindowOutcome::UnavailableSkipped, None);
+                error!(
+                    event = "window_decision",
+                    window = window.index,
+                    window_start = %window.start_rfc3339(),
+                    outcome = %WindowOutcome::UnavailableSkipped,
+                    error = %error,
+                    "backend unavailable; the window is not run (--if-unavailable skip)"
+                );
+                Tried::Decided {
+                    outcome: Outcome::Unavailable,
+                    ran: false,
+                }
+            }
+            IfUnavailable::Run => {
+                warn!(
+                    event = "window_decision",
+                    window = window.index,
+                    window_start = %window.start_rfc3339(),
+                    outcome = %WindowOutcome::UnavailableRan,
+                    error = %error,
+                    "backend unavailable; RUNNING THE COMMAND WITHOUT A LOCK (--if-unavailable run): \
+                     other replicas may run this window too"
+                );
+                self.run_window(None, schedule, window, signals).await
+            }
+        }
+    }
+
+    /// The claim of `window` or a later one, if one shows up shortly: the replica holding the lock
+    /// records its claim right after taking it. `None`: the previous run still holds the lock.
+    async fn claimed_since(&self, target: &Target, window: &Window) -> Option<window::Claim> {
+        let timings = &self.config.timings;
+        for _ in 0..CLAIM_LOOKS {
+            match backend::last_claim(
+                target,
+                &self.config.name,
+                timings.connect_timeout,
+                timings.check_timeout,
+            )
+            .await
+            {
+                Ok(Some(claim)) if claim.window_start >= window.start => return Some(claim),
+                Ok(_) => {}
+                Err(e) => {
+                    debug!(event = "claim_unreadable", error = %e, "cannot read the last claimed window")
+                }
+            }
+            tokio::time::sleep(CLAIM_LOOK_PAUSE).await;
+        }
+        None
+    }
+
+    /// One log line and one count per window decided on this replica (runs are counted when they end).
+    fn window_decided(&self, window: &Window, outcome: WindowOutcome, holder: Option<&str>) {
+        if outcome != WindowOutcome::Ran {
+            self.metrics.window(outcome, None);
+        }
+        let message = match outcome {
+            WindowOutcome::Ran => "window claimed; starting the app",
+            WindowOutcome::ClaimedElsewhere => "window claimed elsewhere",
+            WindowOutcome::Busy => "window skipped: the previous run still holds the lock",
+            WindowOutcome::UnavailableSkipped | WindowOutcome::UnavailableRan => {
+                "backend unavailable"
+            }
+        };
+        info!(
+            event = "window_decision",
+            window = window.index,
+            window_start = %window.start_rfc3339(),
+            outcome = %outcome,
+            holder = holder.unwrap_or(""),
+            "{message}"
+        );
+    }
+
+    fn claim_request<'a>(&'a self, schedule: &'a Schedule, window: &'a Window) -> ClaimRequest<'a> {
+        ClaimRequest {
+            name: &self.config.name,
+            schedule,
+            window,
+            holder: self.holder,
+            timings: &self.config.timings,
+        }
+    }
+
+    fn stopped_between_runs(&self, schedule: &Schedule, signal: i32) -> Outcome {
+        warn!(event = "scheduler_stopped", signal = %signal_name(signal), "stopped while no run was going");
+        self.stopped_outcome(schedule)
+    }
+
+    fn stopped_outcome(&self, schedule: &Schedule) -> Outcome {
+        match schedule.mode {
+            ScheduleMode::Every => Outcome::StoppedBetweenRuns,
+            ScheduleMode::OncePer => Outcome::StoppedBeforeStart,
         }
     }
 
@@ -213,7 +529,14 @@ impl Guard<'_> {
         }
     }
 
-    async fn supervise(&self, mut held: Option<HeldLock>, signals: &mut SignalEvents) -> Outcome {
+    /// Runs the app under `held` (or unguarded) until it ends or must stop; `window`, for a scheduled
+    /// run, is told to the app and records how the run ended.
+    async fn supervise(
+        &self,
+        mut held: Option<HeldLock>,
+        signals: &mut SignalEvents,
+        window: Option<&ClaimRequest<'_>>,
+    ) -> Outcome {
         let config = self.config;
         let mut set = vec![
             ("SENTINEL_GUARD_NAME", config.name.to_string()),
@@ -221,6 +544,10 @@ impl Guard<'_> {
             ("SENTINEL_GUARD_HOLDER_ID", self.holder.id.clone()),
         ];
         set.extend(held.iter().flat_map(HeldLock::app_env));
+        if let Some(run) = window {
+            set.push(("SENTINEL_GUARD_WINDOW", run.window.index.to_string()));
+            set.push(("SENTINEL_GUARD_WINDOW_START", run.window.start_rfc3339()));
+        }
         let env = AppEnv {
             remove: HIDDEN_FROM_APP,
             set,
@@ -274,7 +601,8 @@ impl Guard<'_> {
                 };
             }
         };
-        self.span.record("app_pid", app.app_pid().as_raw());
+        // The guard's span, or a scheduled run's own: a later window must not show an old pid.
+        Span::current().record("app_pid", app.app_pid().as_raw());
         self.metrics.app_started();
         if app_deadline.is_some() {
             app.lock_deadline(lock_deadline(&app_deadline));
@@ -312,6 +640,7 @@ impl Guard<'_> {
                 signal = signals.next() => {
                     app.forward(signal);
                     if is_shutdown(signal) && kill_at.is_none() {
+                        self.stop_requested.set(true);
                         kill_at = Some(Deadline::after(config.timings.grace_period));
                     }
                 }
@@ -324,7 +653,8 @@ impl Guard<'_> {
             }
         };
         let last_deadline = lock_deadline(&app_deadline);
-        self.finish(app, held, ending, last_deadline, kill_at).await
+        self.finish(app, held, ending, last_deadline, kill_at, window)
+            .await
     }
 
     /// The one way out of supervision: stop the app's whole tree, then give the lock back if it is
@@ -332,10 +662,11 @@ impl Guard<'_> {
     async fn finish(
         &self,
         mut app: Supervisor,
-        held: Option<HeldLock>,
+        mut held: Option<HeldLock>,
         ending: Ending,
         lock_deadline: Deadline,
         kill_at: Option<Deadline>,
+        window: Option<&ClaimRequest<'_>>,
     ) -> Outcome {
         let config = self.config;
         let grace_ends = kill_at.unwrap_or_else(|| Deadline::after(config.timings.grace_period));
@@ -397,25 +728,64 @@ impl Guard<'_> {
             );
             return Outcome::LockLost;
         }
-        match ending {
-            Ending::AppExited(status) => {
-                self.release(held, stopped.gone).await;
-                Outcome::AppExited(status)
-            }
-            Ending::MaxRuntime => {
-                self.release(held, stopped.gone).await;
-                Outcome::MaxRuntime
-            }
-            // The lock is still ours, but the app may not run without its watchdog.
-            Ending::Lost(loss) if loss.reason == LossReason::WatchdogDied => {
-                self.release(held, stopped.gone).await;
-                Outcome::LockLost
-            }
-            // Dropping the lock closes what is left of it; it is not ours to give back.
+        let outcome = match &ending {
+            Ending::AppExited(status) => Outcome::AppExited(*status),
+            Ending::MaxRuntime => Outcome::MaxRuntime,
             Ending::Lost(_) => Outcome::LockLost,
+        };
+        match ending {
+            // Dropping the lock closes what is left of it; it is not ours to give back, nor to
+            // record the run's end under.
+            Ending::Lost(loss) if loss.reason != LossReason::WatchdogDied => {
+                if let Some(run) = window {
+                    warn!(
+                        event = "run_end_unrecorded",
+                        window = run.window.index,
+                        "the lock was lost: the window's claim keeps no exit code"
+                    );
+                }
+            }
+            // Still ours (after a watchdog that died, the app may not run without it, but the lock holds).
+            _ => {
+                if let (Some(run), Some(lock)) = (window, held.as_mut()) {
+                    let code = outcome.exit_code(config.held_exit_code, &config.exit_code_map);
+                    if let Err(e) = lock.record_end(run, code).await {
+                        warn!(event = "run_end_unrecorded", window = run.window.index, error = %e, "cannot record how the window's run ended");
+                    }
+                }
+                self.release(held, stopped.gone).await;
+            }
+        }
+        outcome
+    }
+}
+
+/// What became of one window's attempt.
+enum Tried {
+    /// The window was decided on this replica; `outcome` is what a one-shot exits with.
+    Decided { outcome: Outcome, ran: bool },
+    /// Nothing was decided: the backend's clock or the lock did not fit the window; look again.
+    NotNow,
+    /// The scheduler must end now with this outcome (a stop signal, a lock path that is not ours).
+    Stopped(Outcome),
+}
+
+impl Tried {
+    fn not_ours() -> Tried {
+        Tried::Decided {
+            outcome: Outcome::WindowNotOurs,
+            ran: false,
         }
     }
 }
+
+/// How often a claim that the backend refuses for the window its own clock names is tried again,
+/// and how long apart, before the window counts as unavailable.
+const MAX_NOT_NOW: u32 = 3;
+const NOT_NOW_PAUSE: Duration = Duration::from_millis(50);
+/// How often, and how far apart, a replica that found the lock held looks for the holder's claim.
+const CLAIM_LOOKS: u32 = 5;
+const CLAIM_LOOK_PAUSE: Duration = Duration::from_millis(100);
 
 /// Why supervision ended.
 enum Ending {

@@ -7,6 +7,7 @@ use crate::backend::{self, HolderInfo};
 use crate::cli::OutputFormat;
 use crate::config::StatusConfig;
 use crate::outcome::EXIT_UNAVAILABLE;
+use crate::window::Claim;
 
 pub const EXIT_HELD: u8 = 0;
 pub const EXIT_FREE: u8 = 3;
@@ -21,7 +22,22 @@ pub async fn run(config: &StatusConfig) -> u8 {
     .await;
     match answer {
         Ok(holder) => {
-            println!("{}", render(config, holder.as_ref()));
+            // Scheduled runs' last window, when the lock has ever been used for them.
+            let claim = match backend::last_claim(
+                &config.target,
+                &config.name,
+                config.connect_timeout,
+                config.check_timeout,
+            )
+            .await
+            {
+                Ok(claim) => claim,
+                Err(e) => {
+                    eprintln!("sentinel-guard: warning: cannot read the last claimed window: {e}");
+                    None
+                }
+            };
+            println!("{}", render(config, holder.as_ref(), claim.as_ref()));
             if holder.is_some() {
                 EXIT_HELD
             } else {
@@ -35,7 +51,8 @@ pub async fn run(config: &StatusConfig) -> u8 {
     }
 }
 
-fn render(config: &StatusConfig, holder: Option<&HolderInfo>) -> String {
+fn render(config: &StatusConfig, holder: Option<&HolderInfo>, claim: Option<&Claim>) -> String {
+    let claim_facts = claim.map(Claim::facts).unwrap_or_default();
     let state = if holder.is_some() { "held" } else { "free" };
     match config.format {
         OutputFormat::Text => {
@@ -49,23 +66,27 @@ fn render(config: &StatusConfig, holder: Option<&HolderInfo>) -> String {
                 line.push(' ');
                 line.push_str(&holder.to_string());
             }
+            for (key, value) in &claim_facts {
+                line.push_str(&format!(" {key}={value}"));
+            }
             line
         }
         OutputFormat::Json => {
-            let holder = holder.map(|h| {
+            let object = |facts: &[(&'static str, String)]| {
                 Value::Object(
-                    h.fields()
+                    facts
                         .iter()
                         .map(|(k, v)| (k.to_string(), Value::String(v.clone())))
                         .collect::<Map<_, _>>(),
                 )
-            });
+            };
             json!({
                 "name": config.name.as_str(),
                 "backend": config.target.backend_name(),
                 "url": config.target.location(),
                 "state": state,
-                "holder": holder,
+                "holder": holder.map(|h| object(h.fields())),
+                "last_window": claim.map(|_| object(&claim_facts)),
             })
             .to_string()
         }

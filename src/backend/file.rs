@@ -18,11 +18,13 @@ use nix::fcntl::{Flock, FlockArg};
 use tracing::info;
 
 use super::{
-    Acquisition, Contention, HeldLock, HolderInfo, LockError, LockLoss, LockRequest, LossReason,
+    Acquisition, ClaimAnswer, ClaimRequest, Contention, HeldLock, HolderInfo, LockError, LockLoss,
+    LockRequest, LossReason,
 };
 use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
 use crate::supervisor::watchdog::Farewell;
+use crate::window::{self, Claim, RunEnd};
 
 /// The first line of every lock file this program writes. A lock file that is neither empty nor
 /// starts with it is someone else's file, named by mistake: it is refused and never written to.
@@ -73,9 +75,15 @@ fn try_acquire(path: &Path, request: &LockRequest<'_>) -> Result<Acquisition, Lo
         if FileIdentity::at(path) != Some(identity) {
             continue;
         }
-        write_holder(&mut locked, request.holder).map_err(|e| io_error(path, e))?;
+        let claim = read_claim(&mut locked);
+        write_record(&mut locked, Some(request.holder), claim.as_ref())
+            .map_err(|e| io_error(path, e))?;
         info!(event = "lock_acquired", path = %path.display(), "file lock acquired");
         return Ok(Acquisition::Acquired(HeldLock::File(FileLock {
+            record: Box::new(Record {
+                holder: request.holder.clone(),
+                claim,
+            }),
             file: locked,
             path: path.to_owned(),
             identity,
@@ -210,9 +218,20 @@ fn describe_holder(file: &mut File, locked_by: Option<u32>) -> HolderInfo {
 
 /// Overwrites the record in place, magic line first, then cuts what an older, longer record left:
 /// the file never stops starting with the magic line, so a contender never mistakes it for a foreign
-/// file. Only called with the lock held, on a file `open` found to be ours.
-fn write_holder(file: &mut File, holder: &Holder) -> std::io::Result<()> {
-    let record = format!("{MAGIC}\n{holder}\n");
+/// file. The record is the holder while held, and the last claimed window of scheduled runs, which
+/// outlives every holder. Only called with the lock held, on a file `open` found to be ours.
+fn write_record(
+    file: &mut File,
+    holder: Option<&Holder>,
+    claim: Option<&Claim>,
+) -> std::io::Result<()> {
+    let mut record = format!("{MAGIC}\n");
+    if let Some(holder) = holder {
+        record.push_str(&format!("{holder}\n"));
+    }
+    if let Some(claim) = claim {
+        record.push_str(&format!("{}\n", claim.encode()));
+    }
     file.seek(SeekFrom::Start(0))?;
     file.write_all(record.as_bytes())?;
     file.set_len(record.len() as u64)?;
@@ -238,8 +257,28 @@ impl FileIdentity {
     }
 }
 
+/// The claim line of the record, if any.
+fn read_claim(file: &mut File) -> Option<Claim> {
+    let mut text = String::new();
+    file.seek(SeekFrom::Start(0)).ok()?;
+    file.read_to_string(&mut text).ok()?;
+    text.lines().find_map(Claim::parse)
+}
+
+/// The last claimed window recorded in the lock file, read without taking the lock.
+pub fn last_claim(path: &Path) -> Option<Claim> {
+    read_claim(&mut File::open(path).ok()?)
+}
+
+/// What the held lock's file says: the holder, and the last claimed window, kept across holders.
+struct Record {
+    holder: Holder,
+    claim: Option<Claim>,
+}
+
 pub struct FileLock {
     file: Flock<File>,
+    record: Box<Record>,
     path: PathBuf,
     identity: FileIdentity,
     check_interval: std::time::Duration,
@@ -287,11 +326,63 @@ impl FileLock {
         }
     }
 
-    pub fn release(self) -> Result<(), LockError> {
+    /// Windows come from this host's clock: every guard of a file lock runs on this host.
+    pub fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
+        let window = request.window;
+        if request.schedule.window_at(window::local_now()) != *window {
+            return Ok(ClaimAnswer::NotNow);
+        }
+        if let Some(last) = self
+            .record
+            .claim
+            .as_ref()
+            .filter(|c| c.window_start >= window.start)
+        {
+            return Ok(ClaimAnswer::Taken(last.clone()));
+        }
+        self.write_claim(Claim {
+            window_start: window.start,
+            holder_id: request.holder.id.clone(),
+            host: request.holder.host.clone(),
+            claimed_at: window::local_now(),
+            end: None,
+        })?;
+        Ok(ClaimAnswer::Ours)
+    }
+
+    pub fn record_end(
+        &mut self,
+        request: &ClaimRequest<'_>,
+        exit_code: u8,
+    ) -> Result<(), LockError> {
+        let Some(claim) =
+            self.record.claim.clone().filter(|c| {
+                c.window_start == request.window.start && c.holder_id == request.holder.id
+            })
+        else {
+            return Ok(());
+        };
+        self.write_claim(Claim {
+            end: Some(RunEnd {
+                exit_code,
+                finished_at: window::local_now(),
+            }),
+            ..claim
+        })
+    }
+
+    fn write_claim(&mut self, claim: Claim) -> Result<(), LockError> {
+        write_record(&mut self.file, Some(&self.record.holder), Some(&claim))
+            .map_err(|e| io_error(&self.path, e))?;
+        self.record.claim = Some(claim);
+        Ok(())
+    }
+
+    pub fn release(mut self) -> Result<(), LockError> {
         // Never unlink: a contender may already have the inode open and would lock a file no one else
-        // can find. Cutting the record after the magic line keeps a stale identity from being
-        // reported as the holder, and the file recognisably ours.
-        let _ = self.file.set_len(MAGIC.len() as u64 + 1);
+        // can find. Dropping the holder from the record keeps a stale identity from being reported as
+        // the holder; the magic line keeps the file recognisably ours.
+        let _ = write_record(&mut self.file, None, self.record.claim.as_ref());
         self.file.unlock().map_err(|(_, errno)| {
             LockError::Refused(format!("unlock {}: {errno}", self.path.display()))
         })?;

@@ -22,6 +22,7 @@ use crate::metrics::{AcquireOutcome, Metrics};
 use crate::supervisor::watchdog::Farewell;
 use crate::supervisor::TreeGone;
 use crate::vocab::LossReason;
+use crate::window::{Claim, Schedule, UnixMicros, Window};
 
 /// Why the lock could not be taken or used. Every variant means "the app must not run": exit 69,
 /// but `NotALockFile`, a mistake in the invocation: exit 2.
@@ -231,6 +232,51 @@ pub async fn status(
     }
 }
 
+/// The backend's clock, which numbers the windows of scheduled runs: every replica sees the same
+/// windows whatever its own clock says. The file backend's clock is this host's.
+pub async fn server_clock(target: &Target, timings: &Timings) -> Result<UnixMicros, LockError> {
+    match target {
+        Target::Mysql(mysql) => mysql::server_clock(mysql, timings).await,
+        Target::Redis(redis) => redis::server_clock(redis, timings).await,
+        Target::File(_) => Ok(crate::window::local_now()),
+    }
+}
+
+/// The last window claimed under `name`, if any: for `status`, and for telling a window claimed by
+/// another replica from one skipped because the previous run still holds the lock.
+pub async fn last_claim(
+    target: &Target,
+    name: &LockName,
+    connect: Duration,
+    answer: Duration,
+) -> Result<Option<Claim>, LockError> {
+    match target {
+        Target::Mysql(mysql) => mysql::last_claim(mysql, name, connect, answer).await,
+        Target::Redis(redis) => redis::last_claim(redis, name, connect, answer).await,
+        Target::File(path) => Ok(file::last_claim(path)),
+    }
+}
+
+/// How an attempt to claim a window under the held lock ended.
+pub enum ClaimAnswer {
+    /// The window is ours to run: recorded durably, so no replica, this one included, runs it again.
+    Ours,
+    /// The window (or a later one) was already claimed.
+    Taken(Claim),
+    /// The backend's clock is no longer (or not yet) in the window, or the lock stopped being ours
+    /// before the claim: nothing was recorded; the scheduler looks at the clock again.
+    NotNow,
+}
+
+/// What a claim needs beyond the held lock.
+pub struct ClaimRequest<'a> {
+    pub name: &'a LockName,
+    pub schedule: &'a Schedule,
+    pub window: &'a Window,
+    pub holder: &'a Holder,
+    pub timings: &'a Timings,
+}
+
 pub enum HeldLock {
     Mysql(mysql::MysqlLock),
     Redis(redis::RedisLock),
@@ -304,6 +350,29 @@ impl HeldLock {
             HeldLock::Mysql(lock) => lock.lost().await,
             HeldLock::Redis(lock) => lock.lost().await,
             HeldLock::File(lock) => lock.lost().await,
+        }
+    }
+
+    /// Claims `request.window`, in one step that also proves the lock is still ours and that the
+    /// backend's clock is inside the window.
+    pub async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
+        match self {
+            HeldLock::Mysql(lock) => lock.claim(request).await,
+            HeldLock::Redis(lock) => lock.claim(request).await,
+            HeldLock::File(lock) => lock.claim(request),
+        }
+    }
+
+    /// Records how the run of a claimed window ended; only called while the lock is still ours.
+    pub async fn record_end(
+        &mut self,
+        request: &ClaimRequest<'_>,
+        exit_code: u8,
+    ) -> Result<(), LockError> {
+        match self {
+            HeldLock::Mysql(lock) => lock.record_end(request, exit_code).await,
+            HeldLock::Redis(lock) => lock.record_end(request, exit_code).await,
+            HeldLock::File(lock) => lock.record_end(request, exit_code),
         }
     }
 

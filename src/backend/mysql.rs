@@ -16,14 +16,15 @@ use tracing::{debug, info, warn};
 
 use super::watched::{WatchedLock, WatcherEnds};
 use super::{
-    Acquisition, Backoff, Contention, HeldLock, HolderInfo, LockError, LockLoss, LockRequest,
-    LossReason, Patience,
+    Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock, HolderInfo, LockError,
+    LockLoss, LockRequest, LossReason, Patience,
 };
 use crate::config::{LockName, MysqlTarget, SecretUrl, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
 use crate::supervisor::watchdog::Farewell;
+use crate::window::{Claim, RunEnd, UnixMicros};
 
 /// Server error codes that mean the server ended our session rather than refused one statement.
 const ER_SERVER_SHUTDOWN: u16 = 1053;
@@ -334,6 +335,11 @@ async fn describe_connection(conn: &mut Conn, id: u64, limit: Duration) -> Holde
 pub struct MysqlLock {
     watched: WatchedLock,
     farewell: Vec<u8>,
+    /// Where scheduled runs record their windows, on a connection of their own: the lock's
+    /// connection is busy with the ownership check.
+    target: MysqlTarget,
+    /// The lock's session, which a window claim proves still holds the lock (`IS_USED_LOCK`).
+    connection_id: u32,
 }
 
 /// What the guard's watchdog needs to end the lock's session should the guard die holding it. The
@@ -499,6 +505,8 @@ impl MysqlLock {
         };
         let dead_by = Deadline::after(watcher.budget + watcher.grace);
         MysqlLock {
+            connection_id: conn.id(),
+            target: target.clone(),
             watched: WatchedLock::spawn(dead_by, |ends| watcher.run(conn, ends)),
             farewell,
         }
@@ -526,6 +534,293 @@ impl MysqlLock {
     pub fn app_deadline(&self) -> tokio::sync::watch::Receiver<Deadline> {
         self.watched.app_deadline()
     }
+
+    /// Inserts the window's row only while this guard's session holds the lock and the server's
+    /// clock is inside the window; the primary key makes a second claim of a window impossible.
+    pub async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
+        let target = &self.target;
+        let limit = request.timings.check_timeout;
+        let mut conn = windows_session(target, request.timings).await?;
+        let name = request.name.as_str();
+        let window = request.window;
+        let claimed =
+            match insert_claim(&mut conn, target, request, self.connection_id, limit).await {
+                Err(LockError::Refused(e)) if e == NO_TABLE => {
+                    create_windows_table(&mut conn, target, limit).await?;
+                    insert_claim(&mut conn, target, request, self.connection_id, limit).await?
+                }
+                other => other?,
+            };
+        let answer = if claimed {
+            prune_windows(&mut conn, name, limit).await;
+            ClaimAnswer::Ours
+        } else {
+            match read_last_claim(&mut conn, name, limit).await {
+                Ok(Some(last)) if last.window_start >= window.start => ClaimAnswer::Taken(last),
+                Ok(_) => ClaimAnswer::NotNow,
+                Err(e) => {
+                    return Err(query_error(
+                        target,
+                        "SELECT FROM sentinel_guard_windows",
+                        limit,
+                        e,
+                    ))
+                }
+            }
+        };
+        let _ = timeout(limit, conn.disconnect()).await;
+        Ok(answer)
+    }
+
+    pub async fn record_end(
+        &self,
+        request: &ClaimRequest<'_>,
+        exit_code: u8,
+    ) -> Result<(), LockError> {
+        let target = &self.target;
+        let limit = request.timings.check_timeout;
+        let mut conn = windows_session(target, request.timings).await?;
+        let update = conn.exec_drop(
+            "UPDATE sentinel_guard_windows SET finished_at = NOW(6), exit_code = ? \
+             WHERE name = ? AND window_start = FROM_UNIXTIME(?) AND holder = ?",
+            (
+                exit_code,
+                request.name.as_str(),
+                request.window.start / 1_000_000,
+                &request.holder.id,
+            ),
+        );
+        let done = timeout(limit, update).await;
+        let _ = timeout(limit, conn.disconnect()).await;
+        match done {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(setup_error(target, e)),
+            Err(_) => Err(no_answer(target, "UPDATE sentinel_guard_windows", limit)),
+        }
+    }
+}
+
+/// The table of claimed windows, created on first use in the URL's database.
+pub const WINDOWS_TABLE: &str = "CREATE TABLE IF NOT EXISTS sentinel_guard_windows (\
+name VARCHAR(64) NOT NULL, \
+window_start DATETIME(6) NOT NULL, \
+holder VARCHAR(64) NOT NULL, \
+host VARCHAR(255) NOT NULL, \
+claimed_at DATETIME(6) NOT NULL, \
+finished_at DATETIME(6) NULL, \
+exit_code SMALLINT NULL, \
+PRIMARY KEY (name, window_start))";
+
+/// Rows kept per lock name: enough to outlast every window, few enough to stay small.
+const WINDOWS_KEPT: u32 = 100;
+const ER_NO_SUCH_TABLE: u16 = 1146;
+const NO_TABLE: &str = "sentinel_guard_windows does not exist";
+
+/// A connection for the windows table, in UTC so `FROM_UNIXTIME` and `UNIX_TIMESTAMP` are exact.
+async fn windows_session(target: &MysqlTarget, timings: &Timings) -> Result<Conn, LockError> {
+    let mut conn = connect(target, timings.connect_timeout).await?;
+    timeout(
+        timings.check_timeout,
+        conn.query_drop("SET time_zone = '+00:00'"),
+    )
+    .await
+    .map_err(|_| no_answer(target, "SET time_zone", timings.check_timeout))?
+    .map_err(|e| setup_error(target, e))?;
+    Ok(conn)
+}
+
+fn query_error(
+    target: &MysqlTarget,
+    what: &str,
+    limit: Duration,
+    e: Option<mysql_async::Error>,
+) -> LockError {
+    match e {
+        Some(e) => setup_error(target, e),
+        None => no_answer(target, what, limit),
+    }
+}
+
+/// Whether the row for the window went in; `Refused(NO_TABLE)` when the table is still to be made.
+async fn insert_claim(
+    conn: &mut Conn,
+    target: &MysqlTarget,
+    request: &ClaimRequest<'_>,
+    connection_id: u32,
+    limit: Duration,
+) -> Result<bool, LockError> {
+    let name = request.name.as_str();
+    let (schedule, window) = (request.schedule, request.window);
+    let insert = conn.exec_iter(
+        "INSERT IGNORE INTO sentinel_guard_windows (name, window_start, holder, host, claimed_at) \
+         SELECT ?, FROM_UNIXTIME(?), ?, ?, NOW(6) FROM DUAL \
+         WHERE IS_USED_LOCK(?) = ? AND FLOOR((UNIX_TIMESTAMP(NOW(6)) - ?) / ?) = ?",
+        (
+            name,
+            window.start / 1_000_000,
+            &request.holder.id,
+            &request.holder.host,
+            name,
+            connection_id,
+            schedule.offset.as_secs(),
+            schedule.period.as_secs(),
+            window.index,
+        ),
+    );
+    match timeout(limit, async {
+        Ok::<_, mysql_async::Error>(insert.await?.affected_rows())
+    })
+    .await
+    {
+        Ok(Ok(rows)) => Ok(rows == 1),
+        Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_NO_SUCH_TABLE => {
+            Err(LockError::Refused(NO_TABLE.to_owned()))
+        }
+        Ok(Err(e)) => Err(setup_error(target, e)),
+        Err(_) => Err(no_answer(
+            target,
+            "INSERT INTO sentinel_guard_windows",
+            limit,
+        )),
+    }
+}
+
+/// Creates the windows table, or says exactly what an administrator must run once.
+async fn create_windows_table(
+    conn: &mut Conn,
+    target: &MysqlTarget,
+    limit: Duration,
+) -> Result<(), LockError> {
+    match timeout(limit, conn.query_drop(WINDOWS_TABLE)).await {
+        Ok(Ok(())) => {
+            info!(
+                event = "windows_table_created",
+                "created table sentinel_guard_windows for scheduled runs"
+            );
+            Ok(())
+        }
+        Ok(Err(e)) => {
+            let db = target.opts.db_name().unwrap_or("<database>");
+            let user = target.opts.user().unwrap_or("<user>");
+            Err(LockError::Refused(format!(
+                "{}: cannot create the table of scheduled windows ({}). Run this once as an administrator \
+                 in database `{db}`: {WINDOWS_TABLE}; and grant the guard's user: \
+                 GRANT SELECT, INSERT, UPDATE, DELETE ON `{db}`.`sentinel_guard_windows` TO '{user}'@'%';",
+                target.url,
+                target.url.scrub(e)
+            )))
+        }
+        Err(_) => Err(no_answer(
+            target,
+            "CREATE TABLE sentinel_guard_windows",
+            limit,
+        )),
+    }
+}
+
+/// Keeps the newest rows of `name`; a failure only leaves more rows behind, so it is logged, not fatal.
+async fn prune_windows(conn: &mut Conn, name: &str, limit: Duration) {
+    let delete = conn.exec_drop(
+        format!(
+            "DELETE FROM sentinel_guard_windows WHERE name = ? AND window_start < \
+             (SELECT window_start FROM (SELECT window_start FROM sentinel_guard_windows WHERE name = ? \
+             ORDER BY window_start DESC LIMIT 1 OFFSET {}) AS kept)",
+            WINDOWS_KEPT - 1
+        ),
+        (name, name),
+    );
+    match timeout(limit, delete).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            warn!(event = "windows_prune_failed", error = %e, "cannot delete old rows of sentinel_guard_windows")
+        }
+        Err(_) => warn!(
+            event = "windows_prune_failed",
+            "no answer while deleting old rows of sentinel_guard_windows"
+        ),
+    }
+}
+
+/// The newest claimed window of `name`; `None` without the table (nothing was ever scheduled).
+/// A query error is `Err(Some)`, silence `Err(None)`.
+async fn read_last_claim(
+    conn: &mut Conn,
+    name: &str,
+    limit: Duration,
+) -> Result<Option<Claim>, Option<mysql_async::Error>> {
+    type Row = (i64, String, String, i64, Option<i64>, Option<i64>);
+    let query = conn.exec_first::<Row, _, _>(
+        "SELECT CAST(UNIX_TIMESTAMP(window_start) * 1000000 AS SIGNED), holder, host, \
+         CAST(UNIX_TIMESTAMP(claimed_at) * 1000000 AS SIGNED), \
+         CAST(UNIX_TIMESTAMP(finished_at) * 1000000 AS SIGNED), exit_code \
+         FROM sentinel_guard_windows WHERE name = ? ORDER BY window_start DESC LIMIT 1",
+        (name,),
+    );
+    let row = match timeout(limit, query).await {
+        Ok(Ok(row)) => row,
+        Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_NO_SUCH_TABLE => None,
+        Ok(Err(e)) => return Err(Some(e)),
+        Err(_) => return Err(None),
+    };
+    Ok(row.map(
+        |(window_start, holder_id, host, claimed_at, finished_at, exit_code)| Claim {
+            window_start,
+            holder_id,
+            host,
+            claimed_at,
+            end: match (finished_at, exit_code) {
+                (Some(finished_at), Some(code)) => Some(RunEnd {
+                    exit_code: u8::try_from(code).unwrap_or(u8::MAX),
+                    finished_at,
+                }),
+                _ => None,
+            },
+        },
+    ))
+}
+
+/// `UNIX_TIMESTAMP(NOW(6))` in microseconds.
+pub async fn server_clock(
+    target: &MysqlTarget,
+    timings: &Timings,
+) -> Result<UnixMicros, LockError> {
+    let limit = timings.check_timeout;
+    let mut conn = windows_session(target, timings).await?;
+    let now = timeout(
+        limit,
+        conn.query_first::<i64, _>("SELECT CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)"),
+    )
+    .await;
+    let _ = timeout(limit, conn.disconnect()).await;
+    match now {
+        Ok(Ok(Some(now))) => Ok(now),
+        Ok(Ok(None)) => Err(LockError::Unsafe("the server returned no time".to_owned())),
+        Ok(Err(e)) => Err(setup_error(target, e)),
+        Err(_) => Err(no_answer(target, "SELECT UNIX_TIMESTAMP(NOW(6))", limit)),
+    }
+}
+
+/// The newest claimed window of `name`, for `status`.
+pub async fn last_claim(
+    target: &MysqlTarget,
+    name: &LockName,
+    connect_limit: Duration,
+    answer: Duration,
+) -> Result<Option<Claim>, LockError> {
+    if target.opts.db_name().is_none() {
+        return Ok(None);
+    }
+    let mut conn = connect(target, connect_limit).await?;
+    let set = timeout(answer, conn.query_drop("SET time_zone = '+00:00'")).await;
+    let last = match set {
+        Ok(Ok(())) => read_last_claim(&mut conn, name.as_str(), answer)
+            .await
+            .map_err(|e| query_error(target, "SELECT FROM sentinel_guard_windows", answer, e)),
+        Ok(Err(e)) => Err(setup_error(target, e)),
+        Err(_) => Err(no_answer(target, "SET time_zone", answer)),
+    };
+    let _ = timeout(answer, conn.disconnect()).await;
+    last
 }
 
 /// The query that proves ownership; the comment lets a refused instance name this guard from the

@@ -16,13 +16,14 @@ use tracing::{debug, info, warn};
 
 use super::watched::{WatchedLock, WatcherEnds};
 use super::{
-    Acquisition, Backoff, Contention, HeldLock, HolderInfo, LockError, LockLoss, LockRequest,
-    LossReason, Patience,
+    Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock, HolderInfo, LockError,
+    LockLoss, LockRequest, LossReason, Patience,
 };
 use crate::config::{LockName, RedisTarget, Timings};
 use crate::deadline::{self, Deadline};
 use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
+use crate::window::{Claim, UnixMicros};
 
 /// The value is `<token> fence=<n> <holder>`; the token is its first word. Returns `{fence, clean}`:
 /// fence 0 when held by another token; clean 1 only when the previous lease was released by its owner
@@ -76,6 +77,45 @@ end
 return 0
 ";
 
+/// Claims a window for a scheduled run. KEYS: lock, window claim. ARGV: token, window index, window
+/// start (µs), period (µs), offset (µs), claim record without its time, claim TTL (ms). Returns 1 when
+/// claimed; 0 and the existing claim when this window or a later one was claimed; -1 when the lease is
+/// not ours; -2 when the server's clock is outside the window. The claim only ever moves forward.
+const CLAIM: &str = r"
+local current = redis.call('GET', KEYS[1])
+if not current or string.sub(current, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then
+  return {-1, ''}
+end
+local now = redis.call('TIME')
+local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
+if math.floor((micros - tonumber(ARGV[5])) / tonumber(ARGV[4])) ~= tonumber(ARGV[2]) then
+  return {-2, ''}
+end
+local last = redis.call('GET', KEYS[2])
+if last then
+  local start = tonumber(string.match(last, 'window_start=(%-?%d+)'))
+  if start and start >= tonumber(ARGV[3]) then
+    return {0, last}
+  end
+end
+redis.call('SET', KEYS[2], ARGV[6] .. ' claimed_at=' .. string.format('%.0f', micros), 'PX', ARGV[7])
+return {1, ''}
+";
+
+/// Adds a run's end to its claim, if the claim is still that run's. KEYS: window claim. ARGV: window
+/// start (µs), holder id, exit code.
+const RECORD_END: &str = r"
+local last = redis.call('GET', KEYS[1])
+if last and string.match(last, 'window_start=(%-?%d+)') == ARGV[1]
+    and string.match(last, 'claimed_by=(%S+)') == ARGV[2] then
+  local now = redis.call('TIME')
+  local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  redis.call('SET', KEYS[1], last .. ' exit_code=' .. ARGV[3] .. ' finished_at=' .. string.format('%.0f', micros), 'KEEPTTL')
+  return 1
+end
+return 0
+";
+
 /// After a failed renewal the guard reconnects and retries this often (or every renew-interval, if
 /// shorter): a restarted server is found quickly, without a busy loop against a dead one.
 const MAX_RETRY_INTERVAL: Duration = Duration::from_millis(250);
@@ -96,6 +136,8 @@ struct Keys {
     clean: String,
     /// Pub/sub channel on which a release is announced.
     released: String,
+    /// The last window claimed by a scheduled run, and by whom.
+    window: String,
 }
 
 impl Keys {
@@ -105,6 +147,7 @@ impl Keys {
             fence: format!("{lock}:fence"),
             clean: format!("{lock}:clean"),
             released: format!("{lock}:released"),
+            window: format!("{lock}:window"),
             lock,
         }
     }
@@ -121,6 +164,18 @@ async fn connect(
         .client
         .get_multiplexed_async_connection_with_config(&config)
         .await
+}
+
+/// A connection within `limit`, or the error that says why not.
+async fn connected(
+    target: &RedisTarget,
+    limit: Duration,
+) -> Result<MultiplexedConnection, LockError> {
+    match timeout(limit, connect(target, limit)).await {
+        Ok(Ok(conn)) => Ok(conn),
+        Ok(Err(e)) => Err(lock_error(target, &e)),
+        Err(_) => Err(no_answer(target, limit)),
+    }
 }
 
 /// A failure that a retry cannot mend (wrong password, bad configuration, script error).
@@ -228,14 +283,17 @@ pub async fn acquire(
                 );
                 let lease = Lease {
                     target: target.clone(),
-                    keys,
-                    token,
+                    keys: keys.clone(),
+                    token: token.clone(),
                     conn: Some(conn),
                     timings,
                     valid_until: sent + timings.redis_lease_validity(),
                     checks: request.metrics.checks(),
                 };
                 return Ok(Acquisition::Acquired(HeldLock::Redis(RedisLock {
+                    target: Box::new(target.clone()),
+                    keys,
+                    token,
                     fence,
                     clean,
                     watched: WatchedLock::spawn(lease.valid_until, |ends| lease.run(sent, ends)),
@@ -390,11 +448,7 @@ pub async fn status(
     answer: Duration,
 ) -> Result<Option<HolderInfo>, LockError> {
     let keys = Keys::new(&target.prefix, name.as_str());
-    let mut conn = match timeout(connect_limit, connect(target, connect_limit)).await {
-        Ok(Ok(conn)) => conn,
-        Ok(Err(e)) => return Err(lock_error(target, &e)),
-        Err(_) => return Err(no_answer(target, connect_limit)),
-    };
+    let mut conn = connected(target, connect_limit).await?;
     match timeout(answer, read_lease(&mut conn, &keys)).await {
         Ok(Ok(lease)) => Ok(lease.map(|(holder, _)| holder)),
         Ok(Err(e)) => Err(lock_error(target, &e)),
@@ -437,6 +491,10 @@ async fn read_lease(
 
 /// A held lease, kept alive by a renewal task.
 pub struct RedisLock {
+    /// For the scheduled runs' claims, which prove the lease is ours with its token.
+    target: Box<RedisTarget>,
+    keys: Keys,
+    token: String,
     fence: i64,
     clean: bool,
     watched: WatchedLock,
@@ -465,6 +523,108 @@ impl RedisLock {
 
     pub fn app_deadline(&self) -> tokio::sync::watch::Receiver<Deadline> {
         self.watched.app_deadline()
+    }
+
+    pub async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
+        let (schedule, window) = (request.schedule, request.window);
+        let record = format!(
+            "window_start={} claimed_by={} claimed_host={}",
+            window.start, request.holder.id, request.holder.host
+        );
+        // At least two windows, so a restart or a deploy inside the window still finds the claim.
+        let ttl = 2 * schedule.period.as_millis();
+        let script = Script::new(CLAIM);
+        let mut invocation = script.key(&self.keys.lock);
+        invocation
+            .key(&self.keys.window)
+            .arg(&self.token)
+            .arg(window.index)
+            .arg(window.start)
+            .arg(schedule.period_micros())
+            .arg(schedule.offset_micros())
+            .arg(record)
+            .arg(ttl.to_string());
+        let (claimed, last): (i64, String) =
+            run_script(&self.target, &invocation, request.timings).await?;
+        Ok(match claimed {
+            1 => ClaimAnswer::Ours,
+            0 => match Claim::parse(&last) {
+                Some(last) => ClaimAnswer::Taken(last),
+                None => {
+                    return Err(LockError::Unsafe(format!(
+                        "{} holds a claim this guard cannot read: {last:?}",
+                        self.keys.window
+                    )))
+                }
+            },
+            _ => ClaimAnswer::NotNow,
+        })
+    }
+
+    pub async fn record_end(
+        &self,
+        request: &ClaimRequest<'_>,
+        exit_code: u8,
+    ) -> Result<(), LockError> {
+        let script = Script::new(RECORD_END);
+        let mut invocation = script.key(&self.keys.window);
+        invocation
+            .arg(request.window.start)
+            .arg(&request.holder.id)
+            .arg(exit_code);
+        let _: i64 = run_script(&self.target, &invocation, request.timings).await?;
+        Ok(())
+    }
+}
+
+/// One script on a connection of its own, bounded by connect-timeout and check-timeout.
+async fn run_script<T: redis::FromRedisValue>(
+    target: &RedisTarget,
+    invocation: &redis::ScriptInvocation<'_>,
+    timings: &Timings,
+) -> Result<T, LockError> {
+    let mut conn = connected(target, timings.connect_timeout).await?;
+    match timeout(timings.check_timeout, invocation.invoke_async(&mut conn)).await {
+        Ok(Ok(reply)) => Ok(reply),
+        Ok(Err(e)) => Err(lock_error(target, &e)),
+        Err(_) => Err(no_answer(target, timings.check_timeout)),
+    }
+}
+
+/// The server's `TIME` in microseconds.
+pub async fn server_clock(
+    target: &RedisTarget,
+    timings: &Timings,
+) -> Result<UnixMicros, LockError> {
+    let mut conn = connected(target, timings.connect_timeout).await?;
+    let time = redis::cmd("TIME");
+    match timeout(
+        timings.check_timeout,
+        time.query_async::<(i64, i64)>(&mut conn),
+    )
+    .await
+    {
+        Ok(Ok((secs, micros))) => Ok(secs * 1_000_000 + micros),
+        Ok(Err(e)) => Err(lock_error(target, &e)),
+        Err(_) => Err(no_answer(target, timings.check_timeout)),
+    }
+}
+
+/// The last claimed window of `name`, for `status` and the scheduler.
+pub async fn last_claim(
+    target: &RedisTarget,
+    name: &LockName,
+    connect_limit: Duration,
+    answer: Duration,
+) -> Result<Option<Claim>, LockError> {
+    let keys = Keys::new(&target.prefix, name.as_str());
+    let mut conn = connected(target, connect_limit).await?;
+    let mut get = redis::cmd("GET");
+    get.arg(&keys.window);
+    match timeout(answer, get.query_async::<Option<String>>(&mut conn)).await {
+        Ok(Ok(value)) => Ok(value.as_deref().and_then(Claim::parse)),
+        Ok(Err(e)) => Err(lock_error(target, &e)),
+        Err(_) => Err(no_answer(target, answer)),
     }
 }
 
