@@ -679,6 +679,38 @@ fn peak_rss_row(
 }
 
 /// N guards holding distinct locks against one server: server CPU and command rate.
+/// The server's CPU (% of a core) and operations per second while `guards` run, measured over
+/// `window` after `settle`; the guards are stopped afterwards.
+fn server_load(
+    servers: &Servers,
+    backend: &str,
+    server_pid: u32,
+    guards: &mut [std::process::Child],
+    settle: Duration,
+    window: Duration,
+) -> (f64, f64) {
+    std::thread::sleep(settle);
+    let (cpu0, ops0, t0) = (
+        proc_stat_ticks(server_pid),
+        backend_ops(servers, backend).unwrap(),
+        Instant::now(),
+    );
+    std::thread::sleep(window);
+    let (cpu1, ops1, elapsed) = (
+        proc_stat_ticks(server_pid),
+        backend_ops(servers, backend).unwrap(),
+        t0.elapsed(),
+    );
+    for guard in guards.iter() {
+        send(guard.id() as i32, 15);
+    }
+    for guard in guards.iter_mut() {
+        let _ = guard.wait();
+    }
+    let cpu_pct = (cpu1 - cpu0) as f64 / 100.0 / elapsed.as_secs_f64() * 100.0;
+    (cpu_pct, (ops1 - ops0) as f64 / elapsed.as_secs_f64())
+}
+
 fn scale(report: &mut Report, servers: &Servers, settings: &Settings) {
     let sizes: &[usize] = if settings.quick { &[20] } else { &[100, 500] };
     let window = Duration::from_secs(if settings.quick { 2 } else { 10 });
@@ -706,26 +738,9 @@ fn scale(report: &mut Report, servers: &Servers, settings: &Settings) {
                         .unwrap()
                     })
                     .collect();
-                std::thread::sleep(Duration::from_secs(if settings.quick { 1 } else { 3 }));
-                let (cpu0, ops0, t0) = (
-                    proc_stat_ticks(server_pid),
-                    backend_ops(servers, backend).unwrap(),
-                    Instant::now(),
-                );
-                std::thread::sleep(window);
-                let (cpu1, ops1, elapsed) = (
-                    proc_stat_ticks(server_pid),
-                    backend_ops(servers, backend).unwrap(),
-                    t0.elapsed(),
-                );
-                for guard in &guards {
-                    send(guard.id() as i32, 15);
-                }
-                for guard in &mut guards {
-                    let _ = guard.wait();
-                }
-                let cpu_pct = (cpu1 - cpu0) as f64 / 100.0 / elapsed.as_secs_f64() * 100.0;
-                let rate = (ops1 - ops0) as f64 / elapsed.as_secs_f64();
+                let settle = Duration::from_secs(if settings.quick { 1 } else { 3 });
+                let (cpu_pct, rate) =
+                    server_load(servers, backend, server_pid, &mut guards, settle, window);
                 let knob = if backend == "mysql" {
                     "check-interval"
                 } else {
@@ -740,6 +755,94 @@ fn scale(report: &mut Report, servers: &Servers, settings: &Settings) {
                 );
             }
         }
+    }
+}
+
+/// Scheduled jobs: how long after its window starts a run begins (the backend's clock is read, the
+/// lock taken, the window claimed, the app spawned), with three replicas per backend; then the
+/// server's load when many resident schedulers share it, each claiming every second.
+fn scheduled(report: &mut Report, servers: &Servers, settings: &Settings) {
+    let windows = if settings.quick { 3 } else { 15 };
+    for backend in BACKENDS {
+        let dir = tempfile::tempdir().unwrap();
+        let runs = dir.path().join("runs");
+        let app = vec![
+            "sh".into(),
+            "-c".into(),
+            format!(
+                "echo $(date +%s%N) $SENTINEL_GUARD_WINDOW >> {}",
+                runs.display()
+            ),
+        ];
+        let url = servers.url(backend);
+        let name = format!("sched-{}", now_ns());
+        let mut replicas: Vec<_> = (0..3)
+            .map(|_| {
+                guard_cmd(&url, &name, &["--every", "1s"], &app)
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        // The first window is claimed mid-window, when the replicas start: it is not a window start.
+        wait_until(Duration::from_secs(windows as u64 + 10), || {
+            trace_lines(&runs).len() > windows
+        });
+        for replica in &replicas {
+            send(replica.id() as i32, 15);
+        }
+        for replica in &mut replicas {
+            let _ = replica.wait();
+        }
+        let mut late = Stats::default();
+        for line in trace_lines(&runs).iter().skip(1) {
+            let mut words = line.split_whitespace();
+            let (Some(started), Some(window)) = (words.next(), words.next()) else {
+                continue;
+            };
+            let (started, window): (u64, u64) = (started.parse().unwrap(), window.parse().unwrap());
+            late.push_ms(started.saturating_sub(window * 1_000_000_000));
+        }
+        report.latency(
+            "scheduled: window start -> app started (3 replicas, --every 1s)",
+            backend,
+            &late,
+            "",
+        );
+    }
+    let n = if settings.quick { 20 } else { 500 };
+    let measured = Duration::from_secs(if settings.quick { 3 } else { 10 });
+    for backend in ["mysql", "redis"] {
+        let server_pid = match backend {
+            "mysql" => servers.mysql.pid() as u32,
+            _ => servers.redis.pid() as u32,
+        };
+        let mut guards: Vec<_> = (0..n)
+            .map(|i| {
+                guard_cmd(
+                    &servers.url(backend),
+                    &format!("sched-scale-{i}"),
+                    &["--every", "1s"],
+                    &["true".into()],
+                )
+                .spawn()
+                .unwrap()
+            })
+            .collect();
+        let (cpu_pct, rate) = server_load(
+            servers,
+            backend,
+            server_pid,
+            &mut guards,
+            Duration::from_secs(3),
+            measured,
+        );
+        report.row(
+            &format!("scheduled: {n} resident schedulers, --every 1s"),
+            backend,
+            format!("server CPU {cpu_pct:.1}% of a core; {rate:.0} queries or commands/s"),
+            "",
+            json!({"schedulers": n, "server_cpu_pct": cpu_pct, "ops_per_s": rate}),
+        );
     }
 }
 
@@ -764,6 +867,7 @@ fn main() {
     takeover(&mut report, &servers, &settings);
     footprint_and_idle(&mut report, &servers, &settings);
     scale(&mut report, &servers, &settings);
+    scheduled(&mut report, &servers, &settings);
 
     let mut table = String::from(
         "| scenario | backend | median / p90 / max, or value | target |\n|---|---|---|---|\n",

@@ -219,6 +219,14 @@ impl Metrics {
                 "--every or --once-per: the length of one window",
                 seconds,
             );
+            // With the last run's end, what tells "has not run for two windows" after a restart.
+            let started = Gauge::<f64, AtomicU64>::default();
+            started.set(unix_seconds(std::time::SystemTime::now()));
+            registry.register(
+                "scheduler_start_timestamp_seconds",
+                "When this scheduler started, in seconds since the Unix epoch",
+                started,
+            );
             runs
         });
         registry.register(
@@ -240,14 +248,19 @@ impl Metrics {
         }
     }
 
-    /// A window decided on this replica; for a run, how it ended (`exit_code`, at `ended`).
-    pub fn window(&self, outcome: WindowOutcome, ended: Option<(u8, std::time::SystemTime)>) {
-        let Some(runs) = &self.runs else { return };
-        inc(&runs.total, "outcome", outcome.as_str());
-        if let Some((code, at)) = ended {
-            runs.last_exit_code.set(i64::from(code));
-            let at = at.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-            runs.last_end.set(at.as_secs_f64());
+    /// A window decided on this replica.
+    pub fn window(&self, outcome: WindowOutcome) {
+        if let Some(runs) = &self.runs {
+            inc(&runs.total, "outcome", outcome.as_str());
+        }
+    }
+
+    /// A run under the lock ended with `exit_code`: what the scheduled-job alert watches.
+    pub fn run_ended(&self, exit_code: u8) {
+        if let Some(runs) = &self.runs {
+            runs.last_exit_code.set(i64::from(exit_code));
+            runs.last_end
+                .set(unix_seconds(std::time::SystemTime::now()));
         }
     }
 
@@ -315,6 +328,12 @@ impl Metrics {
         let at = *deadline.as_ref()?.borrow();
         Some(at.remaining())
     }
+}
+
+fn unix_seconds(at: std::time::SystemTime) -> f64 {
+    at.duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
 }
 
 /// A counter family with every label value of a fixed set present at zero.

@@ -7,7 +7,7 @@ use tokio::time::Instant;
 use tracing::{debug, error, info, info_span, warn, Instrument, Span};
 
 use std::cell::Cell;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use crate::backend::{
     self, Acquisition, ClaimAnswer, ClaimRequest, HeldLock, LockError, LockLoss, LockRequest,
@@ -173,10 +173,12 @@ impl Guard<'_> {
     /// one replica and run under the lock with the usual supervision.
     async fn scheduled(&self, schedule: &Schedule, signals: &mut SignalEvents) -> Outcome {
         let timings = &self.config.timings;
-        // The last window this replica has decided on: never tried twice.
-        let mut decided: Option<i64> = None;
-        let mut after_run = false;
-        let mut not_now = 0;
+        // The last window decided here, by the backend's numbering; and the last one decided by
+        // this host's clock while the backend could not be asked (never tried again either).
+        let (mut decided, mut decided_locally) = (None::<i64>, None::<i64>);
+        // How often the current window's attempt came back empty-handed, and for which window.
+        let mut attempts = (None::<i64>, 0u32);
+        let mut first = true;
         loop {
             let clock = match &self.config.target {
                 Some(target) => tokio::select! {
@@ -185,63 +187,114 @@ impl Guard<'_> {
                 },
                 None => Ok(window::local_now()),
             };
-            // Unreachable, the backend's clock is unknown: this host's numbers the windows meanwhile.
-            let (now, unavailable) = match clock {
-                Ok(now) => (now, None),
-                Err(e) => (window::local_now(), Some(e)),
-            };
-            let window = schedule.window_at(now);
-            if after_run && decided.is_some_and(|d| window.index > d) {
-                // Windows that started while the last run held the lock are skipped by every replica.
-                self.window_decided(&window, WindowOutcome::Busy, None);
-                decided = Some(window.index);
-            }
-            after_run = false;
-            if decided.is_some_and(|d| window.index <= d) {
-                // A millisecond past the start, so the backend's clock is in the window too.
-                let nap = window.until_end(now) + Duration::from_millis(1);
-                tokio::select! {
-                    () = tokio::time::sleep(nap) => continue,
-                    signal = stop_request(signals) => return self.stopped_between_runs(schedule, signal),
+            let (window, tried) = match clock {
+                Err(error) => {
+                    // The backend's clock is unknown: this host's numbers the window meanwhile, and
+                    // the backend is asked again soon, so a short outage does not cost a window.
+                    let now = window::local_now();
+                    let window = schedule.window_at(now);
+                    if decided_locally == Some(window.index) {
+                        let retry = window.until_end(now).min(UNAVAILABLE_RETRY);
+                        if let Some(stopped) = self.nap(retry, schedule, signals).await {
+                            return stopped;
+                        }
+                        continue;
+                    }
+                    decided_locally = Some(window.index);
+                    let tried = self
+                        .unavailable(schedule, &window, None, &error, signals)
+                        .await;
+                    (None, tried)
                 }
-            }
-            let tried = match (unavailable, &self.config.target) {
-                (Some(error), _) => self.unavailable(schedule, &window, &error, signals).await,
-                (None, Some(target)) => self.try_window(target, schedule, &window, signals).await,
-                (None, None) => self.run_window(None, schedule, &window, signals).await,
+                Ok(now) => {
+                    let window = schedule.window_at(now);
+                    let settling = first
+                        && schedule.mode == ScheduleMode::OncePer
+                        && window.until_end(now) <= schedule.settle();
+                    first = false;
+                    let done = decided.is_some_and(|d| window.index <= d)
+                        || decided_locally == Some(window.index);
+                    if settling || done {
+                        // A millisecond past the next start, so the backend's clock is there too.
+                        let nap = window.until_end(now) + Duration::from_millis(1);
+                        if let Some(stopped) = self.nap(nap, schedule, signals).await {
+                            return stopped;
+                        }
+                        continue;
+                    }
+                    let tried = match &self.config.target {
+                        Some(target) => self.try_window(target, schedule, &window, signals).await,
+                        None => {
+                            self.run_window(None, WindowOutcome::Ran, schedule, &window, signals)
+                                .await
+                        }
+                    };
+                    (Some(window), tried)
+                }
             };
+            let index = window.map(|w| w.index);
+            if attempts.0 != index {
+                attempts = (index, 0);
+            }
             let outcome = match tried {
-                Tried::NotNow if not_now < MAX_NOT_NOW => {
-                    not_now += 1;
-                    tokio::time::sleep(NOT_NOW_PAUSE).await;
+                Tried::Stopped(outcome) => return outcome,
+                Tried::Decided(outcome) => outcome,
+                Tried::Retry if attempts.1 < MAX_LOOKS => {
+                    attempts.1 += 1;
+                    if let Some(stopped) = self.nap(LOOK_PAUSE, schedule, signals).await {
+                        return stopped;
+                    }
                     continue;
                 }
-                Tried::NotNow => {
-                    let error = LockError::Unsafe(
-                        "the backend refused every claim of the window its own clock names"
-                            .to_owned(),
+                // The lock stayed held all this time with no claim of this window to show for it.
+                Tried::Retry => {
+                    if let Some(window) = &window {
+                        self.window_decided(window, WindowOutcome::Busy, None, None);
+                    }
+                    Outcome::WindowNotOurs
+                }
+                Tried::NotNow(why) if attempts.1 < MAX_NOT_NOW => {
+                    attempts.1 += 1;
+                    debug!(
+                        event = "window_not_now",
+                        reason = why,
+                        "the window could not be claimed now; looking again"
                     );
-                    self.unavailable(schedule, &window, &error, signals).await
+                    if let Some(stopped) = self.nap(NOT_NOW_PAUSE, schedule, signals).await {
+                        return stopped;
+                    }
+                    continue;
                 }
-                other => other,
-            };
-            not_now = 0;
-            decided = Some(window.index);
-            let outcome = match outcome {
-                Tried::Stopped(outcome) => return outcome,
-                Tried::Decided { outcome, ran } => {
-                    after_run = ran;
-                    outcome
+                Tried::NotNow(why) => {
+                    return self.refused(&LockError::Unsafe(format!(
+                        "every claim of the window its own clock names was refused ({why})"
+                    )))
                 }
-                Tried::NotNow => unreachable!("handled above"),
             };
+            if index.is_some() {
+                decided = index;
+            }
             if schedule.mode == ScheduleMode::OncePer || self.stop_requested.get() {
                 return outcome;
             }
         }
     }
 
-    /// One window: take the lock without waiting, claim the window under it, run the app.
+    /// Sleeps `nap`, unless a stop signal comes first: then the scheduler's outcome.
+    async fn nap(
+        &self,
+        nap: Duration,
+        schedule: &Schedule,
+        signals: &mut SignalEvents,
+    ) -> Option<Outcome> {
+        tokio::select! {
+            () = tokio::time::sleep(nap) => None,
+            signal = stop_request(signals) => Some(self.stopped_between_runs(schedule, signal)),
+        }
+    }
+
+    /// One window: take the lock without waiting, hold it for the takeover delay, claim the window
+    /// under it, run the app.
     async fn try_window(
         &self,
         target: &Target,
@@ -260,193 +313,231 @@ impl Guard<'_> {
             attempt = backend::acquire(target, &request) => attempt,
             signal = stop_request(signals) => return Tried::Stopped(self.stopped_between_runs(schedule, signal)),
         };
-        let mut held = match attempt {
+        let held = match attempt {
             Ok(Acquisition::Acquired(held)) => held,
-            Ok(Acquisition::HeldElsewhere(holder)) => {
-                let claimed_elsewhere = self.claimed_since(target, window).await;
-                let (outcome, holder) = match &claimed_elsewhere {
-                    Some(claim) => (
-                        WindowOutcome::ClaimedElsewhere,
-                        format!("holder_id={} host={}", claim.holder_id, claim.host),
-                    ),
-                    None => (WindowOutcome::Busy, holder.to_string()),
-                };
-                self.window_decided(window, outcome, Some(&holder));
-                return Tried::not_ours();
-            }
-            Err(LockError::NotALockFile(e)) => {
-                error!(event = "acquire_failed", error = %e, "cannot take the lock; the app was not started");
-                return Tried::Stopped(Outcome::Usage);
-            }
+            Ok(Acquisition::HeldElsewhere(_)) => return self.held_elsewhere(target, window).await,
             Err(e) => {
                 self.metrics.acquire(AcquireOutcome::Error);
-                return self.unavailable(schedule, window, &e, signals).await;
+                return match e {
+                    LockError::NotALockFile(_) => {
+                        error!(event = "acquire_failed", error = %e, "cannot take the lock; the app was not started");
+                        Tried::Stopped(Outcome::Usage)
+                    }
+                    LockError::Unreachable(_) => {
+                        self.unavailable(schedule, window, None, &e, signals).await
+                    }
+                    _ => Tried::Stopped(self.refused(&e)),
+                };
             }
         };
+        self.metrics.acquire(AcquireOutcome::Acquired);
+        self.metrics.lock_taken(held.app_deadline());
+        // Claimed only by the guard about to run it: after the delay, not before.
+        let mut held = match self.takeover_delay(held, signals).await {
+            Ok(held) => held,
+            Err(Outcome::StoppedBeforeStart) => {
+                return Tried::Stopped(self.stopped_outcome(schedule))
+            }
+            Err(_) => return Tried::NotNow("the lock was lost during the takeover delay"),
+        };
         let claim = self.claim_request(schedule, window);
-        match held.claim(&claim).await {
+        let answer = tokio::select! {
+            answer = held.claim(&claim) => Some(answer),
+            signal = stop_request(signals) => {
+                warn!(event = "scheduler_stopped", signal = %signal_name(signal), "stopped while claiming the window; the app was not started");
+                None
+            }
+        };
+        let Some(answer) = answer else {
+            self.release_unused(Some(held)).await;
+            return Tried::Stopped(self.stopped_outcome(schedule));
+        };
+        match answer {
             Ok(ClaimAnswer::Ours) => {
-                self.metrics.acquire(AcquireOutcome::Acquired);
-                self.metrics.lock_taken(held.app_deadline());
-                self.run_window(Some(held), schedule, window, signals).await
+                self.run_window(Some(held), WindowOutcome::Ran, schedule, window, signals)
+                    .await
             }
-            Ok(ClaimAnswer::Taken(claim)) => {
+            Ok(ClaimAnswer::Blocked(outcome, last)) => {
                 self.release_unused(Some(held)).await;
-                let holder = format!("holder_id={} host={}", claim.holder_id, claim.host);
-                self.window_decided(window, WindowOutcome::ClaimedElsewhere, Some(&holder));
-                Tried::not_ours()
+                self.window_decided(window, outcome, Some(&last), None);
+                Tried::Decided(Outcome::WindowNotOurs)
             }
-            Ok(ClaimAnswer::NotNow) => {
+            Ok(ClaimAnswer::NotNow(why)) => {
                 self.release_unused(Some(held)).await;
-                debug!(
-                    event = "window_not_now",
-                    window = window.index,
-                    "the backend's clock or lock no longer fits the window; looking again"
-                );
-                Tried::NotNow
+                Tried::NotNow(why)
+            }
+            // A claim whose answer was lost may have been stored: the record says.
+            Err(_) if self.claimed_by_us(target, window).await => {
+                self.run_window(Some(held), WindowOutcome::Ran, schedule, window, signals)
+                    .await
+            }
+            Err(e @ LockError::Unreachable(_)) => {
+                self.unavailable(schedule, window, Some(held), &e, signals)
+                    .await
             }
             Err(e) => {
                 self.release_unused(Some(held)).await;
-                self.unavailable(schedule, window, &e, signals).await
+                Tried::Stopped(self.refused(&e))
             }
         }
     }
 
-    /// Runs the app for a window: under `held`, or without any lock (unguarded, or `--if-unavailable run`).
+    /// Another replica holds the lock: it claimed this window, or a run of an earlier window goes
+    /// on (busy), or it is claiming this window right now (look again shortly).
+    async fn held_elsewhere(&self, target: &Target, window: &Window) -> Tried {
+        let timings = &self.config.timings;
+        let last = backend::last_claim(
+            target,
+            &self.config.name,
+            timings.connect_timeout,
+            timings.check_timeout,
+        )
+        .await;
+        let last = match last {
+            Ok(Some(last)) => last,
+            Ok(None) => return Tried::Retry,
+            Err(e) => {
+                debug!(event = "claim_unreadable", error = %e, "cannot read the last claimed window");
+                return Tried::Retry;
+            }
+        };
+        let outcome = match last.blocks(window) {
+            Some(outcome) => outcome,
+            // An earlier window's run has not ended: it is what holds the lock.
+            None if last.end.is_none() => WindowOutcome::Busy,
+            None => return Tried::Retry,
+        };
+        self.window_decided(window, outcome, Some(&last), None);
+        Tried::Decided(Outcome::WindowNotOurs)
+    }
+
+    /// Whether the backend recorded this guard's claim of `window` although the claim's answer was lost.
+    async fn claimed_by_us(&self, target: &Target, window: &Window) -> bool {
+        let timings = &self.config.timings;
+        backend::last_claim(
+            target,
+            &self.config.name,
+            timings.connect_timeout,
+            timings.check_timeout,
+        )
+        .await
+        .ok()
+        .flatten()
+        .is_some_and(|last| last.window_start == window.start && last.holder_id == self.holder.id)
+    }
+
+    /// Runs the app for a window: under `held` (its claim recorded, or with `--if-unavailable run`
+    /// when it could not be), or without any lock (unguarded, or the backend unreachable).
     async fn run_window(
         &self,
         held: Option<HeldLock>,
+        outcome: WindowOutcome,
         schedule: &Schedule,
         window: &Window,
         signals: &mut SignalEvents,
     ) -> Tried {
-        // Without a lock although a backend is configured: only `--if-unavailable run` does that.
-        let outcome = if held.is_none() && self.config.target.is_some() {
-            WindowOutcome::UnavailableRan
-        } else {
-            WindowOutcome::Ran
-        };
         if outcome == WindowOutcome::Ran {
-            self.window_decided(window, outcome, None);
+            self.window_decided(window, outcome, None, None);
         }
+        let locked = held.is_some();
         let claim = self.claim_request(schedule, window);
         let span = info_span!(
             "run",
             window = window.index,
             app_pid = tracing::field::Empty
         );
-        let ended = match held {
-            Some(held) => match self.takeover_delay(held, signals).await {
-                Ok(held) => {
-                    self.supervise(Some(held), signals, Some(&claim))
-                        .instrument(span)
-                        .await
-                }
-                Err(Outcome::StoppedBeforeStart) => {
-                    return Tried::Stopped(self.stopped_outcome(schedule))
-                }
-                Err(lost) => lost,
-            },
-            None => {
-                self.supervise(None, signals, Some(&claim))
-                    .instrument(span)
-                    .await
-            }
-        };
+        let ended = self
+            .supervise(held, signals, Some(&claim))
+            .instrument(span)
+            .await;
         let code = ended.exit_code(self.config.held_exit_code, &self.config.exit_code_map);
-        self.metrics
-            .window(outcome, Some((code, SystemTime::now())));
-        info!(event = "run_ended", window = window.index, outcome = %ended, exit_code = code, "run of the window ended");
-        Tried::Decided {
-            outcome: ended,
-            ran: true,
+        if locked && outcome == WindowOutcome::Ran {
+            self.metrics.run_ended(code);
         }
+        info!(event = "run_ended", window = window.index, outcome = %ended, exit_code = code, "run of the window ended");
+        Tried::Decided(ended)
     }
 
     /// The backend could not be reached or could not record the claim: the job's own policy decides.
+    /// `held`: the lock, if it was taken before the claim failed; `run` then runs under it.
     async fn unavailable(
         &self,
         schedule: &Schedule,
         window: &Window,
+        held: Option<HeldLock>,
         error: &LockError,
         signals: &mut SignalEvents,
     ) -> Tried {
         match schedule.if_unavailable {
             IfUnavailable::Skip => {
-                self.metrics.window(WindowOutcome::UnavailableSkipped, None);
-                error!(
-                    event = "window_decision",
-                    window = window.index,
-                    window_start = %window.start_rfc3339(),
-                    outcome = %WindowOutcome::UnavailableSkipped,
-                    error = %error,
-                    "backend unavailable; the window is not run (--if-unavailable skip)"
-                );
-                Tried::Decided {
-                    outcome: Outcome::Unavailable,
-                    ran: false,
-                }
+                self.release_unused(held).await;
+                self.window_decided(window, WindowOutcome::UnavailableSkipped, None, Some(error));
+                Tried::Decided(Outcome::Unavailable)
             }
             IfUnavailable::Run => {
-                warn!(
+                self.window_decided(window, WindowOutcome::UnavailableRan, None, Some(error));
+                self.run_window(
+                    held,
+                    WindowOutcome::UnavailableRan,
+                    schedule,
+                    window,
+                    signals,
+                )
+                .await
+            }
+        }
+    }
+
+    /// A backend that refuses the job (grants, a read-only server, an unreadable claim) will go on
+    /// refusing: no policy runs the command on it; the scheduler ends with exit 69.
+    fn refused(&self, error: &LockError) -> Outcome {
+        error!(event = "window_refused", error = %error, "the backend refused the scheduled job; the app was not started");
+        Outcome::Unavailable
+    }
+
+    /// One log line and one count per window decided on this replica.
+    fn window_decided(
+        &self,
+        window: &Window,
+        outcome: WindowOutcome,
+        claim: Option<&window::Claim>,
+        error: Option<&LockError>,
+    ) {
+        self.metrics.window(outcome);
+        let (claimed_by, claimed_host) =
+            claim.map_or(("", ""), |c| (c.holder_id.as_str(), c.host.as_str()));
+        let error = error.map(ToString::to_string).unwrap_or_default();
+        macro_rules! decided {
+            ($level:ident, $message:expr) => {
+                $level!(
                     event = "window_decision",
                     window = window.index,
                     window_start = %window.start_rfc3339(),
-                    outcome = %WindowOutcome::UnavailableRan,
+                    outcome = %outcome,
+                    claimed_by,
+                    claimed_host,
                     error = %error,
-                    "backend unavailable; RUNNING THE COMMAND WITHOUT A LOCK (--if-unavailable run): \
-                     other replicas may run this window too"
-                );
-                self.run_window(None, schedule, window, signals).await
-            }
+                    $message
+                )
+            };
         }
-    }
-
-    /// The claim of `window` or a later one, if one shows up shortly: the replica holding the lock
-    /// records its claim right after taking it. `None`: the previous run still holds the lock.
-    async fn claimed_since(&self, target: &Target, window: &Window) -> Option<window::Claim> {
-        let timings = &self.config.timings;
-        for _ in 0..CLAIM_LOOKS {
-            match backend::last_claim(
-                target,
-                &self.config.name,
-                timings.connect_timeout,
-                timings.check_timeout,
-            )
-            .await
-            {
-                Ok(Some(claim)) if claim.window_start >= window.start => return Some(claim),
-                Ok(_) => {}
-                Err(e) => {
-                    debug!(event = "claim_unreadable", error = %e, "cannot read the last claimed window")
-                }
+        match outcome {
+            WindowOutcome::Ran if self.config.target.is_none() => {
+                decided!(warn, "window started; running the app without a lock (SINGLE_INSTANCE_GUARD=false)")
             }
-            tokio::time::sleep(CLAIM_LOOK_PAUSE).await;
-        }
-        None
-    }
-
-    /// One log line and one count per window decided on this replica (runs are counted when they end).
-    fn window_decided(&self, window: &Window, outcome: WindowOutcome, holder: Option<&str>) {
-        if outcome != WindowOutcome::Ran {
-            self.metrics.window(outcome, None);
-        }
-        let message = match outcome {
-            WindowOutcome::Ran => "window claimed; starting the app",
-            WindowOutcome::ClaimedElsewhere => "window claimed elsewhere",
-            WindowOutcome::Busy => "window skipped: the previous run still holds the lock",
-            WindowOutcome::UnavailableSkipped | WindowOutcome::UnavailableRan => {
-                "backend unavailable"
+            WindowOutcome::Ran => decided!(info, "window claimed; starting the app"),
+            WindowOutcome::ClaimedElsewhere => decided!(info, "window claimed elsewhere"),
+            WindowOutcome::Busy => {
+                decided!(info, "window skipped: a run of an earlier window held the lock when it started")
             }
-        };
-        info!(
-            event = "window_decision",
-            window = window.index,
-            window_start = %window.start_rfc3339(),
-            outcome = %outcome,
-            holder = holder.unwrap_or(""),
-            "{message}"
-        );
+            WindowOutcome::UnavailableSkipped => {
+                decided!(error, "backend unavailable; the window is not run (--if-unavailable skip)")
+            }
+            WindowOutcome::UnavailableRan => decided!(
+                warn,
+                "backend unavailable; RUNNING THE COMMAND UNCLAIMED (--if-unavailable run), without the lock unless it was already taken: other replicas may run this window too"
+            ),
+        }
     }
 
     fn claim_request<'a>(&'a self, schedule: &'a Schedule, window: &'a Window) -> ClaimRequest<'a> {
@@ -762,30 +853,27 @@ impl Guard<'_> {
 
 /// What became of one window's attempt.
 enum Tried {
-    /// The window was decided on this replica; `outcome` is what a one-shot exits with.
-    Decided { outcome: Outcome, ran: bool },
-    /// Nothing was decided: the backend's clock or the lock did not fit the window; look again.
-    NotNow,
-    /// The scheduler must end now with this outcome (a stop signal, a lock path that is not ours).
+    /// The window was decided on this replica; the outcome is what a one-shot exits with.
+    Decided(Outcome),
+    /// The lock is held by a replica that has not claimed the window yet: look again shortly.
+    Retry,
+    /// Nothing was decided: the backend's clock or the lock did not fit the window (why, in words).
+    NotNow(&'static str),
+    /// The scheduler must end now with this outcome (a stop signal, a refusing backend, a lock path
+    /// that is not ours).
     Stopped(Outcome),
 }
 
-impl Tried {
-    fn not_ours() -> Tried {
-        Tried::Decided {
-            outcome: Outcome::WindowNotOurs,
-            ran: false,
-        }
-    }
-}
-
-/// How often a claim that the backend refuses for the window its own clock names is tried again,
-/// and how long apart, before the window counts as unavailable.
+/// How often a claim that does not fit the window its backend's clock names is tried again, and how
+/// long apart, before the scheduler gives up on a backend that refuses every claim.
 const MAX_NOT_NOW: u32 = 3;
 const NOT_NOW_PAUSE: Duration = Duration::from_millis(50);
-/// How often, and how far apart, a replica that found the lock held looks for the holder's claim.
-const CLAIM_LOOKS: u32 = 5;
-const CLAIM_LOOK_PAUSE: Duration = Duration::from_millis(100);
+/// How often, and how far apart, a replica that found the lock held without a claim of the window
+/// looks again: the holder records its claim right after its takeover delay.
+const MAX_LOOKS: u32 = 20;
+const LOOK_PAUSE: Duration = Duration::from_millis(100);
+/// How soon an unreachable backend is asked for its clock again.
+const UNAVAILABLE_RETRY: Duration = Duration::from_secs(1);
 
 /// Why supervision ended.
 enum Ending {

@@ -51,6 +51,13 @@ impl Schedule {
         micros(self.offset)
     }
 
+    /// How close to a window's end a one-shot waits for the next window instead: a cron line that
+    /// fires at a window's start on a host whose clock runs ahead of the backend's must still claim
+    /// that window, not the one the backend is about to leave.
+    pub fn settle(&self) -> Duration {
+        (self.period / 10).min(Duration::from_secs(5))
+    }
+
     /// The window that contains `now`.
     pub fn window_at(&self, now: UnixMicros) -> Window {
         let period = self.period_micros();
@@ -159,8 +166,9 @@ impl Claim {
     /// lock file). Its keys differ from the holder record's, so a reader of either never mixes them.
     pub fn encode(&self) -> String {
         let mut line = format!(
-            "window_start={} claimed_by={} claimed_host={} claimed_at={}",
-            self.window_start, self.holder_id, self.host, self.claimed_at
+            "{} claimed_at={}",
+            Claim::head(self.window_start, &self.holder_id, &self.host),
+            self.claimed_at
         );
         if let Some(end) = self.end {
             line.push_str(&format!(
@@ -169,6 +177,11 @@ impl Claim {
             ));
         }
         line
+    }
+
+    /// The start of `encode`'s line: what a claim says before the backend's clock dates it.
+    pub fn head(window_start: UnixMicros, holder_id: &str, host: &str) -> String {
+        format!("window_start={window_start} claimed_by={holder_id} claimed_host={host}")
     }
 
     /// Reads what `encode` wrote; anything else is `None`.
@@ -191,6 +204,19 @@ impl Claim {
             claimed_at: field("claimed_at")?.parse().ok()?,
             end,
         })
+    }
+
+    /// Whether this claim, the last one recorded, keeps `window` from being claimed: `window` or a
+    /// later one is already claimed, or the claimed run ended after `window` had started (windows
+    /// that start during a run are skipped by everybody). `None`: `window` may be claimed.
+    pub fn blocks(&self, window: &Window) -> Option<WindowOutcome> {
+        if self.window_start >= window.start {
+            Some(WindowOutcome::ClaimedElsewhere)
+        } else if self.end.is_some_and(|end| end.finished_at >= window.start) {
+            Some(WindowOutcome::Busy)
+        } else {
+            None
+        }
     }
 
     /// What `status` shows of it: `key=value` facts in a fixed order.
@@ -242,6 +268,37 @@ mod tests {
         assert_eq!(w.until_end(w.end + 5), Duration::ZERO);
         // Before the offset on day 0, the window is number -1: floor division, not truncation.
         assert_eq!(daily_at_two.window_at(3_600 * s).index, -1);
+    }
+
+    #[test]
+    fn a_claim_blocks_its_window_later_ones_and_windows_its_run_overlapped() {
+        let hourly = every(3_600, 0);
+        let s = 1_000_000;
+        let claimed = hourly.window_at(3_600 * 100 * s);
+        let next = hourly.window_at(claimed.end);
+        let claim = |end: Option<i64>| Claim {
+            window_start: claimed.start,
+            holder_id: "a".into(),
+            host: "h".into(),
+            claimed_at: claimed.start + 5,
+            end: end.map(|finished_at| RunEnd {
+                exit_code: 0,
+                finished_at,
+            }),
+        };
+        assert_eq!(
+            claim(None).blocks(&claimed),
+            Some(WindowOutcome::ClaimedElsewhere)
+        );
+        // Still running, as far as the record says: the next window is decided by the lock.
+        assert_eq!(claim(None).blocks(&next), None);
+        assert_eq!(claim(Some(next.start - 1)).blocks(&next), None);
+        assert_eq!(
+            claim(Some(next.start)).blocks(&next),
+            Some(WindowOutcome::Busy)
+        );
+        assert_eq!(hourly.settle(), Duration::from_secs(5));
+        assert_eq!(every(2, 0).settle(), Duration::from_millis(200));
     }
 
     #[test]

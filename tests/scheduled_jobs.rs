@@ -48,6 +48,7 @@ on_backends!(skewed_clocks_do_not_matter:
 );
 
 on_backends!(a_long_run_makes_the_next_windows_busy:
+    a_long_run_makes_the_next_windows_busy_on_mysql => Backend::Mysql(MariaDb::start()),
     a_long_run_makes_the_next_windows_busy_on_redis => Backend::Redis(Redis::start()),
     a_long_run_makes_the_next_windows_busy_on_file => Backend::File(Lab::new()),
 );
@@ -133,14 +134,14 @@ fn each_window_exactly_once(backend: &Backend) {
     }
 }
 
-/// `--once-per 1h` five times runs once; a resident `--every 1h` scheduler started, SIGKILLed and
+/// `--once-per 30d` five times runs once; a resident `--every 30d` scheduler started, SIGKILLed and
 /// restarted inside the same window never runs it again; `status` shows the claim and its exit code.
 fn a_claimed_window_is_never_run_again(backend: &Backend) {
     let mut lab = Lab::new();
     let url = backend.url();
     let app = job(&lab, "0");
     let once = [
-        &["--url", &url, "--name", "hourly", "--once-per", "1h"][..],
+        &["--url", &url, "--name", "hourly", "--once-per", "30d"][..],
         &backend.fast_args(),
     ]
     .concat();
@@ -157,7 +158,7 @@ fn a_claimed_window_is_never_run_again(backend: &Backend) {
     assert_eq!(runs_per_window(&lab).values().sum::<usize>(), 1);
 
     let every = [
-        &["--url", &url, "--name", "hourly", "--every", "1h"][..],
+        &["--url", &url, "--name", "hourly", "--every", "30d"][..],
         &backend.fast_args(),
     ]
     .concat();
@@ -272,16 +273,16 @@ fn unavailable_backend_follows_the_jobs_policy() {
         "300ms",
     ];
 
-    let skip = [&base[..], &["--once-per", "1h"]].concat();
+    let skip = [&base[..], &["--once-per", "30d"]].concat();
     let (code, log) = lab.run(&skip, &as_strs(&app), LONG);
     assert_eq!(code, 69, "{log}");
     assert!(log.contains("outcome=unavailable_skipped"), "{log}");
     assert!(runs_per_window(&lab).is_empty());
 
-    let run = [&base[..], &["--once-per", "1h", "--if-unavailable", "run"]].concat();
+    let run = [&base[..], &["--once-per", "30d", "--if-unavailable", "run"]].concat();
     let (code, log) = lab.run(&run, &as_strs(&app), LONG);
     assert_eq!(code, 0, "{log}");
-    assert!(log.contains("WITHOUT A LOCK"), "{log}");
+    assert!(log.contains("RUNNING THE COMMAND UNCLAIMED"), "{log}");
     assert_eq!(runs_per_window(&lab).len(), 1);
 
     let port = free_port();
@@ -341,21 +342,33 @@ fn mysql_user_without_create_is_given_the_sql() {
     );
     let mut lab = Lab::new();
     let app = job(&lab, "0");
-    let (code, log) = lab.run(
-        &["--url", &url, "--name", "nocreate", "--once-per", "1h"],
-        &as_strs(&app),
-        LONG,
-    );
-    assert_eq!(code, 69, "{log}");
-    assert!(
-        log.contains("CREATE TABLE IF NOT EXISTS sentinel_guard_windows"),
-        "{log}"
-    );
-    assert!(
-        log.contains("GRANT SELECT, INSERT, UPDATE, DELETE"),
-        "{log}"
-    );
-    assert!(!log.contains("limited-pw-77aa"), "{log}");
+    // A refusal is not an outage: even `--if-unavailable run` does not run the command on it.
+    for policy in ["skip", "run"] {
+        let (code, log) = lab.run(
+            &[
+                "--url",
+                &url,
+                "--name",
+                "nocreate",
+                "--once-per",
+                "30d",
+                "--if-unavailable",
+                policy,
+            ],
+            &as_strs(&app),
+            LONG,
+        );
+        assert_eq!(code, 69, "{policy}: {log}");
+        assert!(
+            log.contains("CREATE TABLE IF NOT EXISTS sentinel_guard_windows"),
+            "{policy}: {log}"
+        );
+        assert!(
+            log.contains("GRANT SELECT, INSERT, UPDATE, DELETE"),
+            "{log}"
+        );
+        assert!(!log.contains("limited-pw-77aa"), "{log}");
+    }
     assert!(runs_per_window(&lab).is_empty());
     assert!(!Path::new(&lab.path("trace")).exists());
 }

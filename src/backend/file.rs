@@ -330,15 +330,14 @@ impl FileLock {
     pub fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
         let window = request.window;
         if request.schedule.window_at(window::local_now()) != *window {
-            return Ok(ClaimAnswer::NotNow);
+            return Ok(ClaimAnswer::NotNow(
+                "this host's clock is outside the window",
+            ));
         }
-        if let Some(last) = self
-            .record
-            .claim
-            .as_ref()
-            .filter(|c| c.window_start >= window.start)
-        {
-            return Ok(ClaimAnswer::Taken(last.clone()));
+        if let Some(last) = &self.record.claim {
+            if let Some(outcome) = last.blocks(window) {
+                return Ok(ClaimAnswer::Blocked(outcome, last.clone()));
+            }
         }
         self.write_claim(Claim {
             window_start: window.start,

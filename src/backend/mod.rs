@@ -22,7 +22,7 @@ use crate::metrics::{AcquireOutcome, Metrics};
 use crate::supervisor::watchdog::Farewell;
 use crate::supervisor::TreeGone;
 use crate::vocab::LossReason;
-use crate::window::{Claim, Schedule, UnixMicros, Window};
+use crate::window::{Claim, Schedule, UnixMicros, Window, WindowOutcome};
 
 /// Why the lock could not be taken or used. Every variant means "the app must not run": exit 69,
 /// but `NotALockFile`, a mistake in the invocation: exit 2.
@@ -261,11 +261,12 @@ pub async fn last_claim(
 pub enum ClaimAnswer {
     /// The window is ours to run: recorded durably, so no replica, this one included, runs it again.
     Ours,
-    /// The window (or a later one) was already claimed.
-    Taken(Claim),
+    /// The last claim keeps the window from being claimed (`Claim::blocks`): claimed elsewhere, or
+    /// busy.
+    Blocked(WindowOutcome, Claim),
     /// The backend's clock is no longer (or not yet) in the window, or the lock stopped being ours
-    /// before the claim: nothing was recorded; the scheduler looks at the clock again.
-    NotNow,
+    /// before the claim (why, in words): nothing was recorded; the scheduler looks at the clock again.
+    NotNow(&'static str),
 }
 
 /// What a claim needs beyond the held lock.

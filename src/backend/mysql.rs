@@ -535,41 +535,96 @@ impl MysqlLock {
         self.watched.app_deadline()
     }
 
-    /// Inserts the window's row only while this guard's session holds the lock and the server's
-    /// clock is inside the window; the primary key makes a second claim of a window impossible.
+    /// Claims the window on a session of its own (the lock's session is busy with its check).
     pub async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
-        let target = &self.target;
-        let limit = request.timings.check_timeout;
-        let mut conn = windows_session(target, request.timings).await?;
+        let timings = request.timings;
+        let mut conn =
+            windows_session(&self.target, timings.connect_timeout, timings.check_timeout).await?;
+        let answer = self.claim_on(&mut conn, request).await;
+        let _ = timeout(timings.check_timeout, conn.disconnect()).await;
+        answer
+    }
+
+    async fn claim_on(
+        &self,
+        conn: &mut Conn,
+        request: &ClaimRequest<'_>,
+    ) -> Result<ClaimAnswer, LockError> {
+        let (target, limit) = (&self.target, request.timings.check_timeout);
+        let name = request.name.as_str();
+        // Only the lock's holder writes claims, so what is read here stays true until the insert,
+        // which proves the lock again.
+        let last = read_last_claim(conn, name, limit)
+            .await
+            .map_err(|e| query_error(target, "SELECT FROM sentinel_guard_windows", limit, e))?;
+        if let Some(last) = last {
+            if let Some(outcome) = last.blocks(request.window) {
+                return Ok(ClaimAnswer::Blocked(outcome, last));
+            }
+        }
+        let inserted = match self.insert_claim(conn, request).await? {
+            Insert::NoTable => {
+                create_windows_table(conn, target, limit).await?;
+                self.insert_claim(conn, request).await?
+            }
+            done => done,
+        };
+        if inserted == Insert::Done {
+            prune_windows(conn, name, limit).await;
+            return Ok(ClaimAnswer::Ours);
+        }
+        Ok(ClaimAnswer::NotNow(
+            "the lock's session no longer proves the lock, or the server's clock is outside the window",
+        ))
+    }
+
+    /// The row goes in only while the lock's own session holds the lock (`IS_USED_LOCK`, and that
+    /// session still runs this guard's check: after a server restart the id could be a stranger's)
+    /// and while the server's clock is inside the window; the primary key refuses a second claim.
+    async fn insert_claim(
+        &self,
+        conn: &mut Conn,
+        request: &ClaimRequest<'_>,
+    ) -> Result<Insert, LockError> {
+        let (target, limit) = (&self.target, request.timings.check_timeout);
         let name = request.name.as_str();
         let window = request.window;
-        let claimed =
-            match insert_claim(&mut conn, target, request, self.connection_id, limit).await {
-                Err(LockError::Refused(e)) if e == NO_TABLE => {
-                    create_windows_table(&mut conn, target, limit).await?;
-                    insert_claim(&mut conn, target, request, self.connection_id, limit).await?
-                }
-                other => other?,
-            };
-        let answer = if claimed {
-            prune_windows(&mut conn, name, limit).await;
-            ClaimAnswer::Ours
-        } else {
-            match read_last_claim(&mut conn, name, limit).await {
-                Ok(Some(last)) if last.window_start >= window.start => ClaimAnswer::Taken(last),
-                Ok(_) => ClaimAnswer::NotNow,
-                Err(e) => {
-                    return Err(query_error(
-                        target,
-                        "SELECT FROM sentinel_guard_windows",
-                        limit,
-                        e,
-                    ))
-                }
+        let insert = conn.exec_iter(
+            "INSERT IGNORE INTO sentinel_guard_windows (name, window_start, holder, host, claimed_at) \
+             SELECT ?, FROM_UNIXTIME(?), ?, ?, NOW(6) FROM DUAL \
+             WHERE IS_USED_LOCK(?) = ? \
+             AND (SELECT INFO FROM information_schema.PROCESSLIST WHERE ID = ?) LIKE ? \
+             AND UNIX_TIMESTAMP(NOW(6)) >= ? AND UNIX_TIMESTAMP(NOW(6)) < ?",
+            (
+                name,
+                window.start / 1_000_000,
+                &request.holder.id,
+                &request.holder.host,
+                name,
+                self.connection_id,
+                self.connection_id,
+                format!("%holder_id={} %", request.holder.id),
+                window.start / 1_000_000,
+                window.end / 1_000_000,
+            ),
+        );
+        match timeout(limit, async {
+            Ok::<_, mysql_async::Error>(insert.await?.affected_rows())
+        })
+        .await
+        {
+            Ok(Ok(1)) => Ok(Insert::Done),
+            Ok(Ok(_)) => Ok(Insert::Refused),
+            Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_NO_SUCH_TABLE => {
+                Ok(Insert::NoTable)
             }
-        };
-        let _ = timeout(limit, conn.disconnect()).await;
-        Ok(answer)
+            Ok(Err(e)) => Err(windows_error(target, e)),
+            Err(_) => Err(no_answer(
+                target,
+                "INSERT INTO sentinel_guard_windows",
+                limit,
+            )),
+        }
     }
 
     pub async fn record_end(
@@ -578,8 +633,9 @@ impl MysqlLock {
         exit_code: u8,
     ) -> Result<(), LockError> {
         let target = &self.target;
-        let limit = request.timings.check_timeout;
-        let mut conn = windows_session(target, request.timings).await?;
+        let timings = request.timings;
+        let limit = timings.check_timeout;
+        let mut conn = windows_session(target, timings.connect_timeout, limit).await?;
         let update = conn.exec_drop(
             "UPDATE sentinel_guard_windows SET finished_at = NOW(6), exit_code = ? \
              WHERE name = ? AND window_start = FROM_UNIXTIME(?) AND holder = ?",
@@ -594,14 +650,14 @@ impl MysqlLock {
         let _ = timeout(limit, conn.disconnect()).await;
         match done {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(setup_error(target, e)),
+            Ok(Err(e)) => Err(windows_error(target, e)),
             Err(_) => Err(no_answer(target, "UPDATE sentinel_guard_windows", limit)),
         }
     }
 }
 
 /// The table of claimed windows, created on first use in the URL's database.
-pub const WINDOWS_TABLE: &str = "CREATE TABLE IF NOT EXISTS sentinel_guard_windows (\
+const WINDOWS_TABLE: &str = "CREATE TABLE IF NOT EXISTS sentinel_guard_windows (\
 name VARCHAR(64) NOT NULL, \
 window_start DATETIME(6) NOT NULL, \
 holder VARCHAR(64) NOT NULL, \
@@ -614,19 +670,41 @@ PRIMARY KEY (name, window_start))";
 /// Rows kept per lock name: enough to outlast every window, few enough to stay small.
 const WINDOWS_KEPT: u32 = 100;
 const ER_NO_SUCH_TABLE: u16 = 1146;
-const NO_TABLE: &str = "sentinel_guard_windows does not exist";
 
-/// A connection for the windows table, in UTC so `FROM_UNIXTIME` and `UNIX_TIMESTAMP` are exact.
-async fn windows_session(target: &MysqlTarget, timings: &Timings) -> Result<Conn, LockError> {
-    let mut conn = connect(target, timings.connect_timeout).await?;
-    timeout(
-        timings.check_timeout,
-        conn.query_drop("SET time_zone = '+00:00'"),
-    )
-    .await
-    .map_err(|_| no_answer(target, "SET time_zone", timings.check_timeout))?
-    .map_err(|e| setup_error(target, e))?;
+#[derive(Debug, PartialEq, Eq)]
+enum Insert {
+    Done,
+    /// The proof failed: the lock or the window no longer fits.
+    Refused,
+    NoTable,
+}
+
+/// A session for the windows table: in UTC, so `FROM_UNIXTIME` and `UNIX_TIMESTAMP` are exact, and
+/// with autocommit on whatever the server's default, so a claim is stored the moment it is made.
+async fn windows_session(
+    target: &MysqlTarget,
+    connect_limit: Duration,
+    answer: Duration,
+) -> Result<Conn, LockError> {
+    let mut conn = connect(target, connect_limit).await?;
+    let set = "SET time_zone = '+00:00', autocommit = 1";
+    timeout(answer, conn.query_drop(set))
+        .await
+        .map_err(|_| no_answer(target, set, answer))?
+        .map_err(|e| windows_error(target, e))?;
     Ok(conn)
+}
+
+/// A server's error on the windows table (missing grant, read-only server) will not mend by itself:
+/// it is a refusal, which stops a scheduler; a dropped connection is the backend being unreachable,
+/// which the job's `--if-unavailable` policy handles.
+fn windows_error(target: &MysqlTarget, e: mysql_async::Error) -> LockError {
+    match e {
+        mysql_async::Error::Server(e) => {
+            LockError::Refused(format!("{}: {}", target.url, target.url.scrub(e)))
+        }
+        e => setup_error(target, e),
+    }
 }
 
 fn query_error(
@@ -636,52 +714,8 @@ fn query_error(
     e: Option<mysql_async::Error>,
 ) -> LockError {
     match e {
-        Some(e) => setup_error(target, e),
+        Some(e) => windows_error(target, e),
         None => no_answer(target, what, limit),
-    }
-}
-
-/// Whether the row for the window went in; `Refused(NO_TABLE)` when the table is still to be made.
-async fn insert_claim(
-    conn: &mut Conn,
-    target: &MysqlTarget,
-    request: &ClaimRequest<'_>,
-    connection_id: u32,
-    limit: Duration,
-) -> Result<bool, LockError> {
-    let name = request.name.as_str();
-    let (schedule, window) = (request.schedule, request.window);
-    let insert = conn.exec_iter(
-        "INSERT IGNORE INTO sentinel_guard_windows (name, window_start, holder, host, claimed_at) \
-         SELECT ?, FROM_UNIXTIME(?), ?, ?, NOW(6) FROM DUAL \
-         WHERE IS_USED_LOCK(?) = ? AND FLOOR((UNIX_TIMESTAMP(NOW(6)) - ?) / ?) = ?",
-        (
-            name,
-            window.start / 1_000_000,
-            &request.holder.id,
-            &request.holder.host,
-            name,
-            connection_id,
-            schedule.offset.as_secs(),
-            schedule.period.as_secs(),
-            window.index,
-        ),
-    );
-    match timeout(limit, async {
-        Ok::<_, mysql_async::Error>(insert.await?.affected_rows())
-    })
-    .await
-    {
-        Ok(Ok(rows)) => Ok(rows == 1),
-        Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_NO_SUCH_TABLE => {
-            Err(LockError::Refused(NO_TABLE.to_owned()))
-        }
-        Ok(Err(e)) => Err(setup_error(target, e)),
-        Err(_) => Err(no_answer(
-            target,
-            "INSERT INTO sentinel_guard_windows",
-            limit,
-        )),
     }
 }
 
@@ -785,7 +819,7 @@ pub async fn server_clock(
     timings: &Timings,
 ) -> Result<UnixMicros, LockError> {
     let limit = timings.check_timeout;
-    let mut conn = windows_session(target, timings).await?;
+    let mut conn = windows_session(target, timings.connect_timeout, limit).await?;
     let now = timeout(
         limit,
         conn.query_first::<i64, _>("SELECT CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)"),
@@ -800,7 +834,7 @@ pub async fn server_clock(
     }
 }
 
-/// The newest claimed window of `name`, for `status`.
+/// The newest claimed window of `name`, for `status` and the scheduler.
 pub async fn last_claim(
     target: &MysqlTarget,
     name: &LockName,
@@ -810,15 +844,10 @@ pub async fn last_claim(
     if target.opts.db_name().is_none() {
         return Ok(None);
     }
-    let mut conn = connect(target, connect_limit).await?;
-    let set = timeout(answer, conn.query_drop("SET time_zone = '+00:00'")).await;
-    let last = match set {
-        Ok(Ok(())) => read_last_claim(&mut conn, name.as_str(), answer)
-            .await
-            .map_err(|e| query_error(target, "SELECT FROM sentinel_guard_windows", answer, e)),
-        Ok(Err(e)) => Err(setup_error(target, e)),
-        Err(_) => Err(no_answer(target, "SET time_zone", answer)),
-    };
+    let mut conn = windows_session(target, connect_limit, answer).await?;
+    let last = read_last_claim(&mut conn, name.as_str(), answer)
+        .await
+        .map_err(|e| query_error(target, "SELECT FROM sentinel_guard_windows", answer, e));
     let _ = timeout(answer, conn.disconnect()).await;
     last
 }

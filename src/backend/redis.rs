@@ -23,7 +23,7 @@ use crate::config::{LockName, RedisTarget, Timings};
 use crate::deadline::{self, Deadline};
 use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
-use crate::window::{Claim, UnixMicros};
+use crate::window::{Claim, UnixMicros, WindowOutcome};
 
 /// The value is `<token> fence=<n> <holder>`; the token is its first word. Returns `{fence, clean}`:
 /// fence 0 when held by another token; clean 1 only when the previous lease was released by its owner
@@ -77,10 +77,13 @@ end
 return 0
 ";
 
-/// Claims a window for a scheduled run. KEYS: lock, window claim. ARGV: token, window index, window
-/// start (µs), period (µs), offset (µs), claim record without its time, claim TTL (ms). Returns 1 when
-/// claimed; 0 and the existing claim when this window or a later one was claimed; -1 when the lease is
-/// not ours; -2 when the server's clock is outside the window. The claim only ever moves forward.
+/// Claims a window for a scheduled run. KEYS: lock, window claim. ARGV: token, window start (µs),
+/// window end (µs), claim record without its time. The claim has no expiry, like the fencing
+/// counter: one small key per lock name, which no eviction policy for expiring keys can take and no
+/// run, however long, can outlive. Returns 1 when claimed; 0 and the
+/// last claim when it blocks the window (it is this window or a later one, or its run ended after this
+/// window started: `Claim::blocks`); -1 when the lease is not ours; -2 when the server's clock is
+/// outside the window. The claim only ever moves forward.
 const CLAIM: &str = r"
 local current = redis.call('GET', KEYS[1])
 if not current or string.sub(current, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then
@@ -88,17 +91,18 @@ if not current or string.sub(current, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then
 end
 local now = redis.call('TIME')
 local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
-if math.floor((micros - tonumber(ARGV[5])) / tonumber(ARGV[4])) ~= tonumber(ARGV[2]) then
+if micros < tonumber(ARGV[2]) or micros >= tonumber(ARGV[3]) then
   return {-2, ''}
 end
 local last = redis.call('GET', KEYS[2])
 if last then
   local start = tonumber(string.match(last, 'window_start=(%-?%d+)'))
-  if start and start >= tonumber(ARGV[3]) then
+  local finished = tonumber(string.match(last, 'finished_at=(%-?%d+)'))
+  if (start and start >= tonumber(ARGV[2])) or (finished and finished >= tonumber(ARGV[2])) then
     return {0, last}
   end
 end
-redis.call('SET', KEYS[2], ARGV[6] .. ' claimed_at=' .. string.format('%.0f', micros), 'PX', ARGV[7])
+redis.call('SET', KEYS[2], ARGV[4] .. ' claimed_at=' .. string.format('%.0f', micros))
 return {1, ''}
 ";
 
@@ -110,7 +114,7 @@ if last and string.match(last, 'window_start=(%-?%d+)') == ARGV[1]
     and string.match(last, 'claimed_by=(%S+)') == ARGV[2] then
   local now = redis.call('TIME')
   local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  redis.call('SET', KEYS[1], last .. ' exit_code=' .. ARGV[3] .. ' finished_at=' .. string.format('%.0f', micros), 'KEEPTTL')
+  redis.call('SET', KEYS[1], last .. ' exit_code=' .. ARGV[3] .. ' finished_at=' .. string.format('%.0f', micros))
   return 1
 end
 return 0
@@ -526,38 +530,36 @@ impl RedisLock {
     }
 
     pub async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
-        let (schedule, window) = (request.schedule, request.window);
-        let record = format!(
-            "window_start={} claimed_by={} claimed_host={}",
-            window.start, request.holder.id, request.holder.host
-        );
-        // At least two windows, so a restart or a deploy inside the window still finds the claim.
-        let ttl = 2 * schedule.period.as_millis();
+        let window = request.window;
+        // The script dates the claim with the server's clock.
+        let record = Claim::head(window.start, &request.holder.id, &request.holder.host);
         let script = Script::new(CLAIM);
         let mut invocation = script.key(&self.keys.lock);
         invocation
             .key(&self.keys.window)
             .arg(&self.token)
-            .arg(window.index)
             .arg(window.start)
-            .arg(schedule.period_micros())
-            .arg(schedule.offset_micros())
-            .arg(record)
-            .arg(ttl.to_string());
+            .arg(window.end)
+            .arg(record);
         let (claimed, last): (i64, String) =
             run_script(&self.target, &invocation, request.timings).await?;
         Ok(match claimed {
             1 => ClaimAnswer::Ours,
-            0 => match Claim::parse(&last) {
-                Some(last) => ClaimAnswer::Taken(last),
-                None => {
-                    return Err(LockError::Unsafe(format!(
-                        "{} holds a claim this guard cannot read: {last:?}",
+            0 => {
+                let Some(last) = Claim::parse(&last) else {
+                    return Err(LockError::Refused(format!(
+                        "{} holds a window claim this guard cannot read; delete the key if nothing \
+                         else writes it",
                         self.keys.window
-                    )))
-                }
-            },
-            _ => ClaimAnswer::NotNow,
+                    )));
+                };
+                let outcome = last
+                    .blocks(window)
+                    .unwrap_or(WindowOutcome::ClaimedElsewhere);
+                ClaimAnswer::Blocked(outcome, last)
+            }
+            -1 => ClaimAnswer::NotNow("the lease is no longer ours"),
+            _ => ClaimAnswer::NotNow("the server's clock is outside the window"),
         })
     }
 
