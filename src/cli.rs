@@ -9,6 +9,42 @@ use std::time::Duration;
 
 use clap::{Args, Parser, ValueEnum};
 
+/// `SINGLE_INSTANCE_GUARD`: `false` runs the app with no lock at all.
+pub const GUARD_SWITCH_VAR: &str = "SINGLE_INSTANCE_GUARD";
+/// The log filter (tracing's `EnvFilter` syntax).
+pub const LOG_FILTER_VAR: &str = "SENTINEL_GUARD_LOG";
+
+/// Variables the guard reads that no option stands for; the man page lists them with the options'
+/// own variables, so every variable is documented from this one definition.
+pub const ENV_ONLY: &[(&str, &str)] = &[
+    (
+        GUARD_SWITCH_VAR,
+        "false/0/no/off (any case): run the command with no lock at all and a loud warning (local \
+         development only); true/1/yes/on or unset: guarded; anything else: exit 2",
+    ),
+    (
+        LOG_FILTER_VAR,
+        "log level and filter in tracing's syntax, e.g. debug (default: info)",
+    ),
+];
+
+/// Variables the guard sets in the command's environment.
+pub const APP_ENV: &[(&str, &str)] = &[
+    ("SENTINEL_GUARD_NAME", "the lock name"),
+    (
+        "SENTINEL_GUARD_BACKEND",
+        "mysql, redis, file, or none when unguarded",
+    ),
+    (
+        "SENTINEL_GUARD_HOLDER_ID",
+        "a random id of this guard, also in its log lines",
+    ),
+    (
+        "SENTINEL_GUARD_FENCING_TOKEN",
+        "Redis only: a number that strictly increases with every acquisition of the lock name",
+    ),
+];
+
 #[derive(Debug, Parser)]
 #[command(
     name = "sentinel-guard",
@@ -49,6 +85,11 @@ pub struct Cli {
         value_name = "SIG"
     )]
     pub stop_signal: String,
+
+    /// When the guard's own parent process dies, act as if it had sent this signal (forwarded to the
+    /// command, or a stop for TERM/INT), like tini -p; default: off
+    #[arg(long, env = "SENTINEL_GUARD_PARENT_DEATH_SIGNAL", value_name = "SIG")]
+    pub parent_death_signal: Option<String>,
 
     /// How often ownership of the lock is re-proved (100ms to 1h)
     #[arg(long, env = "SENTINEL_GUARD_CHECK_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration, value_name = "DUR")]

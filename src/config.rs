@@ -99,6 +99,8 @@ pub struct Config {
     pub timings: Timings,
     pub held_exit_code: u8,
     pub stop_signal: Signal,
+    /// `--parent-death-signal`: the signal the guard receives when its own parent dies.
+    pub parent_death_signal: Option<Signal>,
     pub wait: Wait,
     pub takeover_delay: Duration,
     pub forward_to: ForwardTo,
@@ -236,7 +238,12 @@ impl Config {
             target: if guarded { target } else { None },
             timings,
             held_exit_code: cli.held_exit_code,
-            stop_signal: parse_signal(&cli.stop_signal)?,
+            stop_signal: parse_signal("--stop-signal", &cli.stop_signal)?,
+            parent_death_signal: cli
+                .parent_death_signal
+                .as_deref()
+                .map(|raw| parse_signal("--parent-death-signal", raw))
+                .transpose()?,
             wait: Wait::parse(cli.wait.as_deref())?,
             takeover_delay: cli.takeover_delay,
             forward_to: cli.forward_to,
@@ -594,7 +601,8 @@ impl Timings {
 }
 
 /// Accepts `TERM`, `SIGTERM` (any case) or a number.
-pub fn parse_signal(raw: &str) -> Result<Signal, ConfigError> {
+/// A signal as `option` takes it: `TERM`, `SIGTERM` or `15`.
+pub fn parse_signal(option: &str, raw: &str) -> Result<Signal, ConfigError> {
     let trimmed = raw.trim();
     let parsed = match trimmed.parse::<i32>() {
         Ok(number) => Signal::try_from(number).ok(),
@@ -608,11 +616,7 @@ pub fn parse_signal(raw: &str) -> Result<Signal, ConfigError> {
             full.parse::<Signal>().ok()
         }
     };
-    parsed.ok_or_else(|| {
-        invalid(format!(
-            "--stop-signal {raw:?}: not a signal name or number"
-        ))
-    })
+    parsed.ok_or_else(|| invalid(format!("{option} {raw:?}: not a signal name or number")))
 }
 
 /// `--exit-code-map FROM=TO`: rewrites the command's exit status before the guard exits with it.
@@ -730,12 +734,24 @@ mod tests {
 
     #[test]
     fn signals_parse_by_name_short_name_and_number() {
-        assert_eq!(parse_signal("TERM").unwrap(), Signal::SIGTERM);
-        assert_eq!(parse_signal("sigterm").unwrap(), Signal::SIGTERM);
-        assert_eq!(parse_signal("15").unwrap(), Signal::SIGTERM);
-        assert_eq!(parse_signal("QUIT").unwrap(), Signal::SIGQUIT);
-        assert!(parse_signal("NOPE").is_err());
-        assert!(parse_signal("0").is_err());
+        assert_eq!(
+            parse_signal("--stop-signal", "TERM").unwrap(),
+            Signal::SIGTERM
+        );
+        assert_eq!(
+            parse_signal("--stop-signal", "sigterm").unwrap(),
+            Signal::SIGTERM
+        );
+        assert_eq!(
+            parse_signal("--stop-signal", "15").unwrap(),
+            Signal::SIGTERM
+        );
+        assert_eq!(
+            parse_signal("--stop-signal", "QUIT").unwrap(),
+            Signal::SIGQUIT
+        );
+        assert!(parse_signal("--stop-signal", "NOPE").is_err());
+        assert!(parse_signal("--stop-signal", "0").is_err());
     }
 
     #[test]

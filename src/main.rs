@@ -8,6 +8,7 @@ mod deadline;
 mod endpoints;
 mod holder;
 mod logging;
+mod manpage;
 mod metrics;
 mod outcome;
 mod run;
@@ -15,6 +16,7 @@ mod status;
 mod supervisor;
 mod vocab;
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::Context;
@@ -26,6 +28,9 @@ use crate::endpoints::Endpoints;
 use crate::outcome::{Outcome, EXIT_INTERNAL, EXIT_USAGE};
 
 fn main() -> ExitCode {
+    // Read before anything else, to narrow the moment in which a dying parent goes unnoticed by
+    // --parent-death-signal.
+    let parent = nix::unistd::getppid();
     // The guard's own watchdog process, not a command for operators (hidden from --help).
     if std::env::args_os()
         .nth(1)
@@ -38,9 +43,9 @@ fn main() -> ExitCode {
             .collect();
         return supervisor::watchdog::main(&args, backend::say_farewell);
     }
-    let cli = Cli::parse();
+    let cli = Cli::try_parse().unwrap_or_else(|e| with_separator_hint(e).exit());
     let guard_switch =
-        std::env::var_os("SINGLE_INSTANCE_GUARD").map(|v| v.to_string_lossy().into_owned());
+        std::env::var_os(cli::GUARD_SWITCH_VAR).map(|v| v.to_string_lossy().into_owned());
     let invocation = match Invocation::from_cli(cli, guard_switch.as_deref()) {
         Ok(invocation) => invocation,
         Err(e) => {
@@ -59,7 +64,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(EXIT_USAGE);
                 }
             };
-            match guard(&config, endpoints) {
+            match guard(&config, endpoints, parent) {
                 Ok(outcome) => {
                     ExitCode::from(outcome.exit_code(config.held_exit_code, &config.exit_code_map))
                 }
@@ -69,10 +74,12 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Invocation::Man => print_generated(|out| clap_mangen::Man::new(Cli::command()).render(out)),
+        Invocation::Man => print_generated(|out| manpage::render(Cli::command(), out)),
         Invocation::Completions(shell) => print_generated(|out| {
-            clap_complete::generate(shell, &mut Cli::command(), "sentinel-guard", out);
-            Ok(())
+            // clap_complete panics on a failed write, so it writes to memory first.
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "sentinel-guard", &mut script);
+            out.write_all(&script)
         }),
         Invocation::Status(config) => match runtime() {
             Ok(runtime) => ExitCode::from(runtime.block_on(status::run(&config))),
@@ -89,13 +96,36 @@ fn print_generated(
     render: impl FnOnce(&mut dyn std::io::Write) -> std::io::Result<()>,
 ) -> ExitCode {
     let mut stdout = std::io::stdout().lock();
-    match render(&mut stdout) {
+    match render(&mut stdout).and_then(|()| stdout.flush()) {
         Ok(()) => ExitCode::SUCCESS,
+        // `sentinel-guard man | head`: the reader has read all it wanted.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("sentinel-guard: error: {e}");
             ExitCode::from(EXIT_INTERNAL)
         }
     }
+}
+
+/// A command given without `--` before it is what clap calls an unexpected argument; the error then
+/// shows the form that works.
+fn with_separator_hint(mut error: clap::Error) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let separated = std::env::args_os().any(|arg| arg == "--");
+    let stray_word = matches!(
+        error.get(ContextKind::InvalidArg),
+        Some(ContextValue::String(arg)) if !arg.starts_with('-')
+    );
+    if error.kind() == ErrorKind::UnknownArgument && stray_word && !separated {
+        error.insert(
+            ContextKind::Suggested,
+            ContextValue::StyledStrs(vec![
+                "put the command after `--`: sentinel-guard [OPTIONS] -- <COMMAND> [ARGS]..."
+                    .into(),
+            ]),
+        );
+    }
+    error
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -107,6 +137,10 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 /// Runs on the main thread: the app is spawned from it, and its PR_SET_PDEATHSIG is tied to the
 /// spawning thread, which must therefore live as long as the guard.
-fn guard(config: &Config, endpoints: Option<Endpoints>) -> anyhow::Result<Outcome> {
-    Ok(runtime()?.block_on(run::run(config, endpoints)))
+fn guard(
+    config: &Config,
+    endpoints: Option<Endpoints>,
+    parent: nix::unistd::Pid,
+) -> anyhow::Result<Outcome> {
+    Ok(runtime()?.block_on(run::run(config, endpoints, parent)))
 }

@@ -2,6 +2,7 @@
 //! ending, the lock being lost, a signal, or the max runtime; tear the app's tree down; release.
 
 use nix::sys::signal::Signal;
+use nix::unistd::Pid;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, error, info, info_span, warn, Instrument, Span};
@@ -15,15 +16,16 @@ use crate::metrics::{AcquireOutcome, Metrics};
 use crate::outcome::Outcome;
 use crate::supervisor::watchdog::Farewell;
 use crate::supervisor::{
-    self, ends_wait, is_shutdown, AppEnv, Event, SignalEvents, SpawnError, StartError, Supervisor,
-    TreeGone,
+    self, ends_wait, is_shutdown, AppEnv, Event, ParentWatch, SignalEvents, SpawnError, StartError,
+    Supervisor, TreeGone,
 };
 use crate::vocab::{signal_name, AppStatus, LossReason};
 
 /// Variables the app must never see: they may carry the backend's credentials.
 const HIDDEN_FROM_APP: &[&str] = &["SENTINEL_GUARD_URL", "SENTINEL_GUARD_URL_FILE"];
 
-pub async fn run(config: &Config, endpoints: Option<Endpoints>) -> Outcome {
+/// `parent` is the guard's parent when it started, for `--parent-death-signal`.
+pub async fn run(config: &Config, endpoints: Option<Endpoints>, parent: Pid) -> Outcome {
     let holder = Holder::of_this_process();
     let backend = config.target.as_ref().map_or("none", |t| t.backend_name());
     let span = info_span!(
@@ -46,7 +48,7 @@ pub async fn run(config: &Config, endpoints: Option<Endpoints>) -> Outcome {
         metrics,
         span: span.clone(),
     };
-    let outcome = guard.run(endpoints).instrument(span.clone()).await;
+    let outcome = guard.run(endpoints, parent).instrument(span.clone()).await;
     span.in_scope(|| {
         let exit_code = outcome.exit_code(config.held_exit_code, &config.exit_code_map);
         info!(
@@ -68,7 +70,7 @@ struct Guard<'a> {
 }
 
 impl Guard<'_> {
-    async fn run(self, endpoints: Option<Endpoints>) -> Outcome {
+    async fn run(self, endpoints: Option<Endpoints>, parent: Pid) -> Outcome {
         if let Some(endpoints) = endpoints {
             if let Err(e) = endpoints.serve(self.metrics.clone()) {
                 error!(event = "metrics_failed", error = %e, "cannot serve the metrics endpoint");
@@ -83,6 +85,20 @@ impl Guard<'_> {
                 return Outcome::Internal;
             }
         };
+        if let Some(signal) = self.config.parent_death_signal {
+            match supervisor::on_parent_death(signal, parent) {
+                Ok(ParentWatch::AlreadyGone) => {
+                    warn!(event = "parent_died", signal = %signal_name(signal as i32), "the guard's parent died before it started; acting on the parent death signal")
+                }
+                Ok(watch) => {
+                    info!(event = "parent_death_signal", signal = %signal_name(signal as i32), pid1 = (watch == ParentWatch::Unseen), "the guard receives this signal when its parent dies")
+                }
+                Err(e) => {
+                    error!(event = "setup_failed", error = %e, "cannot set the parent death signal");
+                    return Outcome::Internal;
+                }
+            }
+        }
         supervisor::raise_descriptor_limit();
         if let Err(e) = supervisor::become_subreaper() {
             error!(event = "setup_failed", error = %e, "cannot become child subreaper; orphans of the app could escape teardown");

@@ -707,7 +707,9 @@ impl Watcher {
             Ok(Ok(other)) => warn!(
                 event = "release_failed",
                 connection_id = self.conn_id,
-                result = ?other,
+                result = other
+                    .flatten()
+                    .map_or_else(|| "NULL".to_owned(), |n| n.to_string()),
                 "release_lock did not confirm; closing the connection frees the lock"
             ),
             Ok(Err(e)) => warn!(
