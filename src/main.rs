@@ -10,6 +10,7 @@ mod holder;
 mod logging;
 mod manpage;
 mod metrics;
+mod notify;
 mod outcome;
 mod run;
 mod status;
@@ -56,6 +57,7 @@ fn main() -> ExitCode {
     match invocation {
         Invocation::Guard(config) => {
             let _flush = logging::init(config.log_format);
+            notify::init();
             // Bound first: a taken address is a mistake in the invocation, reported before any lock.
             let endpoints = match config.metrics_addr.map(Endpoints::bind).transpose() {
                 Ok(endpoints) => endpoints,

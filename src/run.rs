@@ -13,6 +13,7 @@ use crate::deadline::{self, AsyncBootTimer, Deadline};
 use crate::endpoints::Endpoints;
 use crate::holder::Holder;
 use crate::metrics::{AcquireOutcome, Metrics};
+use crate::notify;
 use crate::outcome::Outcome;
 use crate::supervisor::watchdog::Farewell;
 use crate::supervisor::{
@@ -21,8 +22,14 @@ use crate::supervisor::{
 };
 use crate::vocab::{signal_name, AppStatus, LossReason};
 
-/// Variables the app must never see: they may carry the backend's credentials.
-const HIDDEN_FROM_APP: &[&str] = &["SENTINEL_GUARD_URL", "SENTINEL_GUARD_URL_FILE"];
+/// Variables the app (and the watchdog) must never see: the first two may carry the backend's
+/// credentials; with `NOTIFY_SOCKET` the app could tell systemd it is ready before it runs under the
+/// lock, or speak for the guard after a loss (with `NotifyAccess=all`), so the guard alone speaks.
+const HIDDEN_FROM_APP: &[&str] = &[
+    "SENTINEL_GUARD_URL",
+    "SENTINEL_GUARD_URL_FILE",
+    crate::notify::SOCKET_VAR,
+];
 
 /// `parent` is the guard's parent when it started, for `--parent-death-signal`.
 pub async fn run(config: &Config, endpoints: Option<Endpoints>, parent: Pid) -> Outcome {
@@ -191,6 +198,10 @@ impl Guard<'_> {
             return Ok(held);
         }
         info!(event = "takeover_delay", delay = %humantime::format_duration(delay), "lock acquired; holding it for the takeover delay before starting the app");
+        notify::status(&format!(
+            "lock acquired; holding it for the takeover delay ({}) before starting the app",
+            humantime::format_duration(delay)
+        ));
         tokio::select! {
             // A loss reported as the delay ends must win over the delay's end.
             biased;
@@ -292,6 +303,15 @@ impl Guard<'_> {
         };
         self.span.record("app_pid", app.app_pid().as_raw());
         self.metrics.app_started();
+        notify::ready(&match held {
+            Some(_) => format!(
+                "running: lock {} held by this guard ({}), app pid {}",
+                config.name,
+                self.holder.id,
+                app.app_pid()
+            ),
+            None => format!("running unguarded (no lock), app pid {}", app.app_pid()),
+        });
         if app_deadline.is_some() {
             app.lock_deadline(lock_deadline(&app_deadline));
         }
@@ -329,6 +349,7 @@ impl Guard<'_> {
                     app.forward(signal);
                     if is_shutdown(signal) && kill_at.is_none() {
                         kill_at = Some(Deadline::after(config.timings.grace_period));
+                        notify::stopping(&format!("stopping: {} forwarded to the app", signal_name(signal)));
                     }
                 }
                 () = at(kill_at) => {
@@ -380,18 +401,27 @@ impl Guard<'_> {
         }
         let stopped = app
             .stop(signal, kill_by, || match &ending {
-                Ending::Lost(loss) => error!(
-                    event = "lock_lost",
-                    reason = %loss.reason,
-                    detail = %loss.detail,
-                    "lock lost; stopping the app"
-                ),
-                Ending::AppExited(status) => info!(event = "app_exited", %status, "app ended"),
-                Ending::MaxRuntime => warn!(
-                    event = "max_runtime",
-                    max_runtime = %config.max_runtime.map(|d| humantime::format_duration(d).to_string()).unwrap_or_default(),
-                    "max runtime reached; stopping the app"
-                ),
+                Ending::Lost(loss) => {
+                    error!(
+                        event = "lock_lost",
+                        reason = %loss.reason,
+                        detail = %loss.detail,
+                        "lock lost; stopping the app"
+                    );
+                    notify::stopping(&format!("stopping the app after lock loss ({})", loss.reason));
+                }
+                Ending::AppExited(status) => {
+                    info!(event = "app_exited", %status, "app ended");
+                    notify::stopping(&format!("app {status}; stopping"));
+                }
+                Ending::MaxRuntime => {
+                    warn!(
+                        event = "max_runtime",
+                        max_runtime = %config.max_runtime.map(|d| humantime::format_duration(d).to_string()).unwrap_or_default(),
+                        "max runtime reached; stopping the app"
+                    );
+                    notify::stopping("stopping the app: max runtime reached");
+                }
             })
             .await;
         if !matches!(ending, Ending::AppExited(_)) {

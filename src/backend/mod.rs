@@ -152,6 +152,7 @@ impl Contention<'_> {
         self.count();
         self.last_log = Some(Instant::now());
         info!(event = "lock_waiting", holder = %holder, "lock is held by another instance; waiting");
+        crate::notify::status(&format!("waiting for the lock held by {holder}"));
     }
 
     /// Patience has run out with the lock still held elsewhere.
