@@ -171,6 +171,11 @@ pub struct LockArgs {
     #[arg(long, env = "SENTINEL_GUARD_CONNECT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub connect_timeout: Duration,
 
+    /// PEM file of the certificate authorities a TLS backend's certificate must chain to, instead of
+    /// the built-in roots (mysql:// with require_ssl=true, rediss://)
+    #[arg(long, env = "SENTINEL_GUARD_CA_FILE", value_name = "PATH")]
+    pub ca_file: Option<PathBuf>,
+
     /// Prefix of the Redis keys: <prefix>:{<name>}, <prefix>:{<name>}:fence, ...:clean, ...:released
     #[arg(
         long,

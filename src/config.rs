@@ -182,9 +182,16 @@ fn lock_target(args: &LockArgs) -> Result<(LockName, Option<Target>), ConfigErro
         (None, Some(path)) => Some(read_url_file(path)?),
         (None, None) => None,
     };
+    let ca = args.ca_file.as_deref().map(CaFile::read).transpose()?;
     let target = raw_url
         .as_deref()
-        .map(|raw| Target::parse(raw, &args.redis_prefix))
+        .map(|raw| {
+            let target = Target::parse(raw, &args.redis_prefix)?;
+            match &ca {
+                Some(ca) => target.trusting(ca),
+                None => Ok(target),
+            }
+        })
         .transpose()?;
     Ok((name, target))
 }
@@ -329,7 +336,42 @@ pub struct MysqlTarget {
     pub url: RedactedUrl,
     /// The URL as given, credentials included, for the guard's watchdog process only.
     pub secret: SecretUrl,
+    /// `--ca-file`, which the watchdog reads again should it have to end the session.
+    pub ca_file: Option<PathBuf>,
 }
+
+/// `--ca-file`: the certificate authorities (PEM) a TLS backend's certificate must chain to. They
+/// replace the built-in roots, as libpq's `sslrootcert=` does, so a private CA is all that is trusted.
+#[derive(Debug, Clone)]
+pub struct CaFile {
+    pub path: PathBuf,
+    pub pem: Vec<u8>,
+}
+
+impl CaFile {
+    /// Read once at start-up, so a missing or unreadable file is a configuration error (exit 2), not
+    /// a backend that refuses the guard.
+    pub fn read(path: &Path) -> Result<CaFile, ConfigError> {
+        let pem = std::fs::read(path)
+            .map_err(|e| invalid(format!("--ca-file {}: {e}", path.display())))?;
+        if !pem
+            .windows(CERTIFICATE_PEM.len())
+            .any(|w| w == CERTIFICATE_PEM)
+        {
+            return Err(invalid(format!(
+                "--ca-file {}: no PEM certificate in it (expected {})",
+                path.display(),
+                String::from_utf8_lossy(CERTIFICATE_PEM)
+            )));
+        }
+        Ok(CaFile {
+            path: path.to_owned(),
+            pem,
+        })
+    }
+}
+
+const CERTIFICATE_PEM: &[u8] = b"-----BEGIN CERTIFICATE-----";
 
 /// A URL with its credentials, which no `Debug` or `Display` ever prints.
 #[derive(Clone)]
@@ -427,6 +469,7 @@ impl Target {
                     opts,
                     url,
                     secret: SecretUrl::new(raw.to_owned()),
+                    ca_file: None,
                 }))
             }
             "redis" | "rediss" => {
@@ -452,6 +495,52 @@ impl Target {
             }
             other => Err(invalid(format!(
                 "--url: unsupported scheme {other:?}; expected mysql://, redis://, rediss:// or file://"
+            ))),
+        }
+    }
+
+    /// The same target, verifying the server's certificate against `ca` only. A CA for a connection
+    /// without TLS would protect nothing, so it is a configuration error rather than ignored.
+    pub fn trusting(self, ca: &CaFile) -> Result<Target, ConfigError> {
+        let shown = ca.path.display();
+        match self {
+            Target::Mysql(mut mysql) => {
+                let Some(tls) = mysql.opts.ssl_opts().cloned() else {
+                    return Err(invalid(format!(
+                        "--ca-file {shown}: {} does not use TLS; add ?require_ssl=true to the URL",
+                        mysql.url
+                    )));
+                };
+                let tls = tls
+                    .with_root_certs(vec![ca.pem.clone().into()])
+                    .with_disable_built_in_roots(true);
+                mysql.opts = mysql_async::OptsBuilder::from_opts(mysql.opts)
+                    .ssl_opts(Some(tls))
+                    .into();
+                mysql.ca_file = Some(ca.path.clone());
+                Ok(Target::Mysql(mysql))
+            }
+            Target::Redis(mut redis) => {
+                if !redis.url.to_string().starts_with("rediss://") {
+                    return Err(invalid(format!(
+                        "--ca-file {shown}: {} does not use TLS; use a rediss:// URL",
+                        redis.url
+                    )));
+                }
+                let certificates = redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(ca.pem.clone()),
+                };
+                redis.client = redis::Client::build_with_tls(
+                    redis.client.get_connection_info().clone(),
+                    certificates,
+                )
+                .map_err(|e| invalid(format!("--ca-file {shown}: {}", redis.url.scrub(e))))?;
+                Ok(Target::Redis(redis))
+            }
+            Target::File(path) => Err(invalid(format!(
+                "--ca-file {shown}: file://{} is a local lock and uses no TLS",
+                path.display()
             ))),
         }
     }

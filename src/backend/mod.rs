@@ -39,6 +39,18 @@ pub enum LockError {
     Unsafe(String),
 }
 
+/// A connection that failed: a certificate rustls did not trust is the backend refusing the guard,
+/// said with what to do about it; anything else is an unreachable backend.
+fn connect_failure(message: String) -> LockError {
+    if message.contains("invalid peer certificate") {
+        LockError::Refused(format!(
+            "TLS certificate not trusted (give the CA that signed the server's certificate with --ca-file): {message}"
+        ))
+    } else {
+        LockError::Unreachable(message)
+    }
+}
+
 /// A lost lock, with what the backend said about it.
 #[derive(Debug, Clone)]
 pub struct LockLoss {
