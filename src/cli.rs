@@ -107,6 +107,11 @@ pub struct Cli {
     #[arg(short = 'w', long, env = "SENTINEL_GUARD_WAIT", num_args = 0..=1, require_equals = true, default_missing_value = "forever", value_name = "DUR")]
     pub wait: Option<String>,
 
+    /// With --wait: after a lock loss, stop the command and wait for the lock again as a standby
+    /// instead of exiting 75
+    #[arg(long, env = "SENTINEL_GUARD_REJOIN")]
+    pub rejoin: bool,
+
     /// After acquiring, hold the lock this long before starting the command (closes the gap when a
     /// server dropped the previous holder while its app was still stopping; at most 1h)
     #[arg(long, env = "SENTINEL_GUARD_TAKEOVER_DELAY", default_value = "0s", value_parser = humantime::parse_duration, value_name = "DUR")]

@@ -102,6 +102,8 @@ pub struct Config {
     /// `--parent-death-signal`: the signal the guard receives when its own parent dies.
     pub parent_death_signal: Option<Signal>,
     pub wait: Wait,
+    /// `--rejoin`: after a lost lock, wait for it again instead of exiting (only with a wait).
+    pub rejoin: bool,
     pub takeover_delay: Duration,
     pub forward_to: ForwardTo,
     pub exit_code_map: ExitCodeMap,
@@ -237,6 +239,12 @@ impl Config {
             renew_interval: cli.renew_interval.unwrap_or(cli.ttl / 3),
         };
         timings.validate(target.as_ref())?;
+        let wait = Wait::parse(cli.wait.as_deref())?;
+        if cli.rejoin && wait == Wait::No {
+            return Err(invalid(
+                "--rejoin needs --wait: a guard that rejoins after a lost lock waits for it as a standby",
+            ));
+        }
         if cli.max_runtime == Some(Duration::ZERO) {
             return Err(invalid("--max-runtime must be longer than 0s"));
         }
@@ -251,7 +259,8 @@ impl Config {
                 .as_deref()
                 .map(|raw| parse_signal("--parent-death-signal", raw))
                 .transpose()?,
-            wait: Wait::parse(cli.wait.as_deref())?,
+            wait,
+            rejoin: cli.rejoin,
             takeover_delay: cli.takeover_delay,
             forward_to: cli.forward_to,
             exit_code_map: ExitCodeMap::parse(&cli.exit_code_map)?,

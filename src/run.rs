@@ -5,10 +5,10 @@ use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tracing::{debug, error, info, info_span, warn, Instrument, Span};
+use tracing::{debug, error, info, info_span, warn, Instrument};
 
-use crate::backend::{self, Acquisition, HeldLock, LockLoss, LockRequest, Patience};
-use crate::config::{Config, Wait};
+use crate::backend::{self, Acquisition, Backoff, HeldLock, LockLoss, LockRequest, Patience};
+use crate::config::{Config, Target, Wait};
 use crate::deadline::{self, AsyncBootTimer, Deadline};
 use crate::endpoints::Endpoints;
 use crate::holder::Holder;
@@ -40,7 +40,6 @@ pub async fn run(config: &Config, endpoints: Option<Endpoints>, parent: Pid) -> 
         name = %config.name,
         backend,
         holder_id = %holder.id,
-        app_pid = tracing::field::Empty,
     );
     let metrics = Metrics::new(
         config.name.as_str(),
@@ -53,7 +52,6 @@ pub async fn run(config: &Config, endpoints: Option<Endpoints>, parent: Pid) -> 
         holder: &holder,
         backend,
         metrics,
-        span: span.clone(),
     };
     let outcome = guard.run(endpoints, parent).instrument(span.clone()).await;
     span.in_scope(|| {
@@ -73,7 +71,6 @@ struct Guard<'a> {
     holder: &'a Holder,
     backend: &'static str,
     metrics: Metrics,
-    span: Span,
 }
 
 impl Guard<'_> {
@@ -124,58 +121,111 @@ impl Guard<'_> {
                 "SINGLE_INSTANCE_GUARD=false: running the app WITHOUT ANY LOCK; several copies may run at once. \
                  Never use this in production."
             );
-            return self.supervise(None, &mut signals).await;
+            return self.supervise(None, &mut signals).await.outcome();
         };
-        let patience = match self.config.wait {
-            Wait::No => Patience::None,
-            // Too far to represent is as good as forever.
-            Wait::For(limit) => Instant::now()
-                .checked_add(limit)
-                .map_or(Patience::Forever, Patience::Until),
-            Wait::Forever => Patience::Forever,
-        };
-        let request = LockRequest {
-            name: &self.config.name,
-            timings: &self.config.timings,
-            holder: self.holder,
-            patience,
-            metrics: &self.metrics,
-        };
-        let attempt = tokio::select! {
-            attempt = backend::acquire(target, &request) => attempt,
-            signal = stop_request(&mut signals) => {
-                warn!(event = "stopped_before_start", signal = %signal_name(signal), "stopped while taking the lock; the app was not started");
-                return Outcome::StoppedBeforeStart;
+        let mut rejoining = false;
+        loop {
+            let held = match self.take_lock(target, &mut signals, rejoining).await {
+                Ok(held) => held,
+                Err(outcome) => return outcome,
+            };
+            let finished = match self.takeover_delay(held, &mut signals).await {
+                Ok(held) => self.supervise(Some(held), &mut signals).await,
+                Err(finished) => finished,
+            };
+            match finished {
+                Finished::LockLost(gone) if self.config.rejoin => {
+                    self.rejoin(gone);
+                    rejoining = true;
+                }
+                finished => return finished.outcome(),
             }
-        };
-        let held = match attempt {
-            Ok(Acquisition::Acquired(held)) => {
-                self.metrics.acquire(AcquireOutcome::Acquired);
-                self.metrics.lock_taken(held.app_deadline());
-                held
-            }
-            Ok(Acquisition::HeldElsewhere(holder)) => {
-                warn!(
-                    event = "lock_held_elsewhere",
-                    holder = %holder,
-                    exit_code = self.config.held_exit_code,
-                    "lock is held by another instance; the app was not started"
-                );
-                return Outcome::HeldElsewhere;
-            }
-            Err(e) => {
-                self.metrics.acquire(AcquireOutcome::Error);
-                error!(event = "acquire_failed", error = %e, "cannot take the lock; the app was not started");
-                return match e {
-                    backend::LockError::NotALockFile(_) => Outcome::Usage,
-                    _ => Outcome::Unavailable,
-                };
-            }
-        };
-        match self.takeover_delay(held, &mut signals).await {
-            Ok(held) => self.supervise(Some(held), &mut signals).await,
-            Err(outcome) => outcome,
         }
+    }
+
+    /// Takes the lock, waiting for it as `--wait` allows. A guard rejoining after a loss retries a
+    /// failing backend with backoff instead of exiting 69: the backend's failure is often what took
+    /// the lock away (a restart, a failover), and no app runs meanwhile.
+    async fn take_lock(
+        &self,
+        target: &Target,
+        signals: &mut SignalEvents,
+        rejoining: bool,
+    ) -> Result<HeldLock, Outcome> {
+        let mut backoff = Backoff::new();
+        loop {
+            let patience = match self.config.wait {
+                Wait::No => Patience::None,
+                // Too far to represent is as good as forever.
+                Wait::For(limit) => Instant::now()
+                    .checked_add(limit)
+                    .map_or(Patience::Forever, Patience::Until),
+                Wait::Forever => Patience::Forever,
+            };
+            let request = LockRequest {
+                name: &self.config.name,
+                timings: &self.config.timings,
+                holder: self.holder,
+                patience,
+                metrics: &self.metrics,
+            };
+            let attempt = tokio::select! {
+                attempt = backend::acquire(target, &request) => attempt,
+                signal = stop_request(signals) => {
+                    warn!(event = "stopped_before_start", signal = %signal_name(signal), "stopped while taking the lock; the app was not started");
+                    return Err(Outcome::StoppedBeforeStart);
+                }
+            };
+            match attempt {
+                Ok(Acquisition::Acquired(held)) => {
+                    self.metrics.acquire(AcquireOutcome::Acquired);
+                    self.metrics.lock_taken(held.app_deadline());
+                    return Ok(held);
+                }
+                Ok(Acquisition::HeldElsewhere(holder)) => {
+                    warn!(
+                        event = "lock_held_elsewhere",
+                        holder = %holder,
+                        exit_code = self.config.held_exit_code,
+                        "lock is held by another instance; the app was not started"
+                    );
+                    return Err(Outcome::HeldElsewhere);
+                }
+                Err(backend::LockError::NotALockFile(e)) => {
+                    error!(event = "acquire_failed", error = %e, "cannot take the lock; the app was not started");
+                    return Err(Outcome::Usage);
+                }
+                Err(e) if rejoining => {
+                    self.metrics.acquire(AcquireOutcome::Error);
+                    tokio::select! {
+                        () = backoff.pause(&e, patience) => {}
+                        signal = stop_request(signals) => {
+                            warn!(event = "stopped_before_start", signal = %signal_name(signal), "stopped while waiting for the lock backend; the app was not started");
+                            return Err(Outcome::StoppedBeforeStart);
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.metrics.acquire(AcquireOutcome::Error);
+                    error!(event = "acquire_failed", error = %e, "cannot take the lock; the app was not started");
+                    return Err(Outcome::Unavailable);
+                }
+            }
+        }
+    }
+
+    /// After a lost lock with `--rejoin`: nothing of the app is alive (`gone` says so), so the guard
+    /// waits for the lock again as a standby; a new acquisition starts a new app.
+    fn rejoin(&self, gone: AppGone) {
+        let app = match gone {
+            AppGone::NeverStarted => "no app was started",
+            AppGone::Stopped(_tree) => "the app's process tree is gone",
+        };
+        info!(
+            event = "rejoining",
+            app, "lock lost; waiting for the lock again as a standby (--rejoin)"
+        );
+        notify::status("lock lost; waiting for the lock again as a standby");
     }
 
     /// Holds the lock for `--takeover-delay` before the app starts, unless the previous holder is known
@@ -185,7 +235,7 @@ impl Guard<'_> {
         &self,
         mut held: HeldLock,
         signals: &mut SignalEvents,
-    ) -> Result<HeldLock, Outcome> {
+    ) -> Result<HeldLock, Finished> {
         let delay = self.config.takeover_delay;
         if delay.is_zero() {
             return Ok(held);
@@ -208,19 +258,19 @@ impl Guard<'_> {
             loss = held.lost() => {
                 self.metrics.lock_lost(loss.reason);
                 error!(event = "lock_lost", reason = %loss.reason, detail = %loss.detail, "lock lost during the takeover delay; the app was not started");
-                Err(Outcome::LockLost)
+                Err(Finished::LockLost(AppGone::NeverStarted))
             }
             signal = stop_request(signals) => {
                 warn!(event = "stopped_before_start", signal = %signal_name(signal), "stopped during the takeover delay; the app was not started");
                 self.release_unused(Some(held)).await;
-                Err(Outcome::StoppedBeforeStart)
+                Err(Finished::Exit(Outcome::StoppedBeforeStart))
             }
             _ = tokio::time::sleep(delay) => Ok(held),
         }
     }
 
     /// Gives the lock back once nothing of the app is alive, which `gone` proves.
-    async fn release(&self, held: Option<HeldLock>, gone: TreeGone) {
+    async fn release(&self, held: Option<HeldLock>, gone: &TreeGone) {
         if let Some(lock) = held {
             self.released(lock.release(gone).await);
         }
@@ -240,7 +290,7 @@ impl Guard<'_> {
         }
     }
 
-    async fn supervise(&self, mut held: Option<HeldLock>, signals: &mut SignalEvents) -> Outcome {
+    async fn supervise(&self, mut held: Option<HeldLock>, signals: &mut SignalEvents) -> Finished {
         let config = self.config;
         let mut set = vec![
             ("SENTINEL_GUARD_NAME", config.name.to_string()),
@@ -262,13 +312,13 @@ impl Guard<'_> {
             Err(e) => {
                 error!(event = "setup_failed", error = %e, "cannot create the lock's deadline timer; the app was not started");
                 self.release_unused(held).await;
-                return Outcome::Internal;
+                return Outcome::Internal.into();
             }
         };
         if let Some(loss) = held.as_ref().and_then(HeldLock::known_lost) {
             self.metrics.lock_lost(loss.reason);
             error!(event = "lock_lost", reason = %loss.reason, detail = %loss.detail, "lock lost before the app was started; the app was not started");
-            return Outcome::LockLost;
+            return Finished::LockLost(AppGone::NeverStarted);
         }
         let started = {
             let farewell = match &held {
@@ -288,8 +338,8 @@ impl Guard<'_> {
             Ok(app) => app,
             Err(StartError::Watchdog { error, gone }) => {
                 error!(event = "app_start_failed", error = %error, "cannot start the watchdog; the app was killed before the lock is given back");
-                self.release(held, gone).await;
-                return Outcome::Internal;
+                self.release(held, &gone).await;
+                return Outcome::Internal.into();
             }
             Err(e) => {
                 error!(event = "app_start_failed", error = %e, "app not started");
@@ -298,70 +348,76 @@ impl Guard<'_> {
                     StartError::Spawn(SpawnError::NotFound { .. }) => Outcome::NotFound,
                     StartError::Spawn(SpawnError::NotExecutable { .. }) => Outcome::NotExecutable,
                     StartError::Setup(_) | StartError::Watchdog { .. } => Outcome::Internal,
-                };
+                }
+                .into();
             }
         };
-        self.span.record("app_pid", app.app_pid().as_raw());
-        self.metrics.app_started();
-        notify::ready(&match held {
-            Some(_) => format!(
-                "running: lock {} held by this guard ({}), app pid {}",
-                config.name,
-                self.holder.id,
-                app.app_pid()
-            ),
-            None => format!("running unguarded (no lock), app pid {}", app.app_pid()),
-        });
-        if app_deadline.is_some() {
-            app.lock_deadline(lock_deadline(&app_deadline));
+        // Each app has its own span, so no line of a later acquisition (with --rejoin) names it.
+        let app_span = info_span!("app", app_pid = app.app_pid().as_raw());
+        async {
+            self.metrics.app_started();
+            notify::ready(&match held {
+                Some(_) => format!(
+                    "running: lock {} held by this guard ({}), app pid {}",
+                    config.name,
+                    self.holder.id,
+                    app.app_pid()
+                ),
+                None => format!("running unguarded (no lock), app pid {}", app.app_pid()),
+            });
+            if app_deadline.is_some() {
+                app.lock_deadline(lock_deadline(&app_deadline));
+            }
+            let max_runtime_at = config.max_runtime.map(Deadline::after);
+            let mut kill_at: Option<Deadline> = None;
+            let ending = loop {
+                tokio::select! {
+                    // The lock's deadline first: after a freeze, a passed deadline is acted on before any
+                    // later one, or any other event, is read.
+                    biased;
+                    () = deadline_timer.fired() => break Ending::Lost(LockLoss {
+                        reason: LossReason::DeadlinePassed,
+                        detail: "ownership was not proven again before the lock's deadline".to_owned(),
+                    }),
+                    dead_by = next_deadline(&mut app_deadline) => {
+                        app.lock_deadline(dead_by);
+                        if let Err(e) = deadline_timer.arm(dead_by) {
+                            // The watchdog still holds the deadline; the next proof re-arms the timer.
+                            warn!(event = "timer_failed", error = %e, "cannot re-arm the lock's deadline timer");
+                        }
+                    }
+                    event = app.next_event() => break match event {
+                        Event::AppExited(status) => Ending::AppExited(status),
+                        Event::WatchdogEnded { acted: true } => Ending::Lost(LockLoss {
+                            reason: LossReason::GuardFrozen,
+                            detail: "the watchdog stopped the app while the guard was unresponsive".to_owned(),
+                        }),
+                        Event::WatchdogEnded { acted: false } => Ending::Lost(LockLoss {
+                            reason: LossReason::WatchdogDied,
+                            detail: "the watchdog process exited; the app may not run without it".to_owned(),
+                        }),
+                    },
+                    loss = lost(&mut held) => break Ending::Lost(loss),
+                    signal = signals.next() => {
+                        app.forward(signal);
+                        if is_shutdown(signal) && kill_at.is_none() {
+                            kill_at = Some(Deadline::after(config.timings.grace_period));
+                            notify::stopping(&format!("stopping: {} forwarded to the app", signal_name(signal)));
+                        }
+                    }
+                    () = at(kill_at) => {
+                        app.kill_all();
+                        warn!(event = "killing_app", grace = %humantime::format_duration(config.timings.grace_period), "app still running after the grace period; sent SIGKILL");
+                        kill_at = None;
+                    }
+                    () = at(max_runtime_at) => break Ending::MaxRuntime,
+                }
+            };
+            let last_deadline = lock_deadline(&app_deadline);
+            self.finish(app, held, ending, last_deadline, kill_at).await
         }
-        let max_runtime_at = config.max_runtime.map(Deadline::after);
-        let mut kill_at: Option<Deadline> = None;
-        let ending = loop {
-            tokio::select! {
-                // The lock's deadline first: after a freeze, a passed deadline is acted on before any
-                // later one, or any other event, is read.
-                biased;
-                () = deadline_timer.fired() => break Ending::Lost(LockLoss {
-                    reason: LossReason::DeadlinePassed,
-                    detail: "ownership was not proven again before the lock's deadline".to_owned(),
-                }),
-                dead_by = next_deadline(&mut app_deadline) => {
-                    app.lock_deadline(dead_by);
-                    if let Err(e) = deadline_timer.arm(dead_by) {
-                        // The watchdog still holds the deadline; the next proof re-arms the timer.
-                        warn!(event = "timer_failed", error = %e, "cannot re-arm the lock's deadline timer");
-                    }
-                }
-                event = app.next_event() => break match event {
-                    Event::AppExited(status) => Ending::AppExited(status),
-                    Event::WatchdogEnded { acted: true } => Ending::Lost(LockLoss {
-                        reason: LossReason::GuardFrozen,
-                        detail: "the watchdog stopped the app while the guard was unresponsive".to_owned(),
-                    }),
-                    Event::WatchdogEnded { acted: false } => Ending::Lost(LockLoss {
-                        reason: LossReason::WatchdogDied,
-                        detail: "the watchdog process exited; the app may not run without it".to_owned(),
-                    }),
-                },
-                loss = lost(&mut held) => break Ending::Lost(loss),
-                signal = signals.next() => {
-                    app.forward(signal);
-                    if is_shutdown(signal) && kill_at.is_none() {
-                        kill_at = Some(Deadline::after(config.timings.grace_period));
-                        notify::stopping(&format!("stopping: {} forwarded to the app", signal_name(signal)));
-                    }
-                }
-                () = at(kill_at) => {
-                    app.kill_all();
-                    warn!(event = "killing_app", grace = %humantime::format_duration(config.timings.grace_period), "app still running after the grace period; sent SIGKILL");
-                    kill_at = None;
-                }
-                () = at(max_runtime_at) => break Ending::MaxRuntime,
-            }
-        };
-        let last_deadline = lock_deadline(&app_deadline);
-        self.finish(app, held, ending, last_deadline, kill_at).await
+        .instrument(app_span)
+        .await
     }
 
     /// The one way out of supervision: stop the app's whole tree, then give the lock back if it is
@@ -373,7 +429,7 @@ impl Guard<'_> {
         ending: Ending,
         lock_deadline: Deadline,
         kill_at: Option<Deadline>,
-    ) -> Outcome {
+    ) -> Finished {
         let config = self.config;
         let grace_ends = kill_at.unwrap_or_else(|| Deadline::after(config.timings.grace_period));
         let (signal, kill_by) = match &ending {
@@ -441,26 +497,57 @@ impl Guard<'_> {
                 reason = %LossReason::GuardFrozen,
                 "the lock ran out while the guard was unresponsive; the watchdog stopped the app"
             );
-            return Outcome::LockLost;
+            return Finished::LockLost(AppGone::Stopped(stopped.gone));
         }
         match ending {
             Ending::AppExited(status) => {
-                self.release(held, stopped.gone).await;
-                Outcome::AppExited(status)
+                self.release(held, &stopped.gone).await;
+                Outcome::AppExited(status).into()
             }
             Ending::MaxRuntime => {
-                self.release(held, stopped.gone).await;
-                Outcome::MaxRuntime
+                self.release(held, &stopped.gone).await;
+                Outcome::MaxRuntime.into()
             }
             // The lock is still ours, but the app may not run without its watchdog.
             Ending::Lost(loss) if loss.reason == LossReason::WatchdogDied => {
-                self.release(held, stopped.gone).await;
-                Outcome::LockLost
+                self.release(held, &stopped.gone).await;
+                Finished::LockLost(AppGone::Stopped(stopped.gone))
             }
             // Dropping the lock closes what is left of it; it is not ours to give back.
-            Ending::Lost(_) => Outcome::LockLost,
+            Ending::Lost(_) => Finished::LockLost(AppGone::Stopped(stopped.gone)),
         }
     }
+}
+
+/// How a run under one acquisition of the lock ended.
+enum Finished {
+    /// The guard exits with this.
+    Exit(Outcome),
+    /// The lock was lost and no app of this acquisition is alive: exit 75, or with `--rejoin` wait
+    /// for the lock again.
+    LockLost(AppGone),
+}
+
+impl Finished {
+    fn outcome(self) -> Outcome {
+        match self {
+            Finished::Exit(outcome) => outcome,
+            Finished::LockLost(_) => Outcome::LockLost,
+        }
+    }
+}
+
+impl From<Outcome> for Finished {
+    fn from(outcome: Outcome) -> Finished {
+        Finished::Exit(outcome)
+    }
+}
+
+/// Why no app of a lost acquisition is alive: rejoining needs one of these.
+enum AppGone {
+    NeverStarted,
+    /// Its teardown finished.
+    Stopped(TreeGone),
 }
 
 /// Why supervision ended.

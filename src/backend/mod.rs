@@ -321,7 +321,7 @@ impl HeldLock {
     }
 
     /// Gives the lock back, which only the proof that nothing of the app is alive allows.
-    pub async fn release(self, _gone: TreeGone) -> Result<(), LockError> {
+    pub async fn release(self, _gone: &TreeGone) -> Result<(), LockError> {
         self.give_back().await
     }
 
