@@ -11,6 +11,50 @@ use clap::{Args, Parser, ValueEnum};
 
 use crate::window::IfUnavailable;
 
+/// `SINGLE_INSTANCE_GUARD`: `false` runs the app with no lock at all.
+pub const GUARD_SWITCH_VAR: &str = "SINGLE_INSTANCE_GUARD";
+/// The log filter (tracing's `EnvFilter` syntax).
+pub const LOG_FILTER_VAR: &str = "SENTINEL_GUARD_LOG";
+
+/// Variables the guard reads that no option stands for; the man page lists them with the options'
+/// own variables, so every variable is documented from this one definition.
+pub const ENV_ONLY: &[(&str, &str)] = &[
+    (
+        GUARD_SWITCH_VAR,
+        "false/0/no/off (any case): run the command with no lock at all and a loud warning (local \
+         development only); true/1/yes/on or unset: guarded; anything else: exit 2",
+    ),
+    (
+        LOG_FILTER_VAR,
+        "log level and filter in tracing's syntax, e.g. debug (default: info)",
+    ),
+];
+
+/// Variables the guard sets in the command's environment.
+pub const APP_ENV: &[(&str, &str)] = &[
+    ("SENTINEL_GUARD_NAME", "the lock name"),
+    (
+        "SENTINEL_GUARD_BACKEND",
+        "mysql, redis, file, or none when unguarded",
+    ),
+    (
+        "SENTINEL_GUARD_HOLDER_ID",
+        "a random id of this guard, also in its log lines",
+    ),
+    (
+        "SENTINEL_GUARD_FENCING_TOKEN",
+        "Redis only: a number that strictly increases with every acquisition of the lock name",
+    ),
+    (
+        "SENTINEL_GUARD_WINDOW",
+        "--every/--once-per only: the number k of the window being run",
+    ),
+    (
+        "SENTINEL_GUARD_WINDOW_START",
+        "--every/--once-per only: the window's start, RFC 3339 in UTC",
+    ),
+];
+
 #[derive(Debug, Parser)]
 #[command(
     name = "sentinel-guard",
@@ -52,6 +96,11 @@ pub struct Cli {
     )]
     pub stop_signal: String,
 
+    /// When the guard's own parent process dies, act as if it had sent this signal (forwarded to the
+    /// command, or a stop for TERM/INT), like tini -p; default: off
+    #[arg(long, env = "SENTINEL_GUARD_PARENT_DEATH_SIGNAL", value_name = "SIG")]
+    pub parent_death_signal: Option<String>,
+
     /// How often ownership of the lock is re-proved (100ms to 1h)
     #[arg(long, env = "SENTINEL_GUARD_CHECK_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub check_interval: Duration,
@@ -67,6 +116,11 @@ pub struct Cli {
     /// Wait for the lock instead of exiting: forever, or up to DUR (at most 365d) and then exit with the held code
     #[arg(short = 'w', long, env = "SENTINEL_GUARD_WAIT", num_args = 0..=1, require_equals = true, default_missing_value = "forever", value_name = "DUR")]
     pub wait: Option<String>,
+
+    /// With --wait: after a lock loss, stop the command and wait for the lock again as a standby
+    /// instead of exiting 75
+    #[arg(long, env = "SENTINEL_GUARD_REJOIN")]
+    pub rejoin: bool,
 
     /// After acquiring, hold the lock this long before starting the command (closes the gap when a
     /// server dropped the previous holder while its app was still stopping; at most 1h)
@@ -156,6 +210,11 @@ pub struct LockArgs {
     /// How long to wait for the backend connection at start-up (at most 10m)
     #[arg(long, env = "SENTINEL_GUARD_CONNECT_TIMEOUT", default_value = "5s", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub connect_timeout: Duration,
+
+    /// PEM file of the certificate authorities a TLS backend's certificate must chain to, instead of
+    /// the built-in roots (mysql:// with require_ssl=true, rediss://)
+    #[arg(long, env = "SENTINEL_GUARD_CA_FILE", value_name = "PATH")]
+    pub ca_file: Option<PathBuf>,
 
     /// Prefix of the Redis keys: <prefix>:{<name>}, <prefix>:{<name>}:fence, ...:clean, ...:released
     #[arg(

@@ -104,7 +104,11 @@ pub struct Config {
     pub timings: Timings,
     pub held_exit_code: u8,
     pub stop_signal: Signal,
+    /// `--parent-death-signal`: the signal the guard receives when its own parent dies.
+    pub parent_death_signal: Option<Signal>,
     pub wait: Wait,
+    /// `--rejoin`: after a lost lock, wait for it again instead of exiting (only with a wait).
+    pub rejoin: bool,
     pub takeover_delay: Duration,
     pub forward_to: ForwardTo,
     pub exit_code_map: ExitCodeMap,
@@ -187,9 +191,16 @@ fn lock_target(args: &LockArgs) -> Result<(LockName, Option<Target>), ConfigErro
         (None, Some(path)) => Some(read_url_file(path)?),
         (None, None) => None,
     };
+    let ca = args.ca_file.as_deref().map(CaFile::read).transpose()?;
     let target = raw_url
         .as_deref()
-        .map(|raw| Target::parse(raw, &args.redis_prefix))
+        .map(|raw| {
+            let target = Target::parse(raw, &args.redis_prefix)?;
+            match &ca {
+                Some(ca) => target.trusting(ca),
+                None => Ok(target),
+            }
+        })
         .transpose()?;
     Ok((name, target))
 }
@@ -235,18 +246,29 @@ impl Config {
             renew_interval: cli.renew_interval.unwrap_or(cli.ttl / 3),
         };
         timings.validate(target.as_ref())?;
+        let wait = Wait::parse(cli.wait.as_deref())?;
+        if cli.rejoin && wait == Wait::No {
+            return Err(invalid(
+                "--rejoin needs --wait: a guard that rejoins after a lost lock waits for it as a standby",
+            ));
+        }
         if cli.max_runtime == Some(Duration::ZERO) {
             return Err(invalid("--max-runtime must be longer than 0s"));
         }
-        let wait = Wait::parse(cli.wait.as_deref())?;
         let schedule = schedule(&cli, wait, target.as_ref())?;
         Ok(Config {
             name,
             target: if guarded { target } else { None },
             timings,
             held_exit_code: cli.held_exit_code,
-            stop_signal: parse_signal(&cli.stop_signal)?,
+            stop_signal: parse_signal("--stop-signal", &cli.stop_signal)?,
+            parent_death_signal: cli
+                .parent_death_signal
+                .as_deref()
+                .map(|raw| parse_signal("--parent-death-signal", raw))
+                .transpose()?,
             wait,
+            rejoin: cli.rejoin,
             takeover_delay: cli.takeover_delay,
             forward_to: cli.forward_to,
             exit_code_map: ExitCodeMap::parse(&cli.exit_code_map)?,
@@ -395,7 +417,42 @@ pub struct MysqlTarget {
     pub url: RedactedUrl,
     /// The URL as given, credentials included, for the guard's watchdog process only.
     pub secret: SecretUrl,
+    /// `--ca-file`, which the watchdog reads again should it have to end the session.
+    pub ca_file: Option<PathBuf>,
 }
+
+/// `--ca-file`: the certificate authorities (PEM) a TLS backend's certificate must chain to. They
+/// replace the built-in roots, as libpq's `sslrootcert=` does, so a private CA is all that is trusted.
+#[derive(Debug, Clone)]
+pub struct CaFile {
+    pub path: PathBuf,
+    pub pem: Vec<u8>,
+}
+
+impl CaFile {
+    /// Read once at start-up, so a missing or unreadable file is a configuration error (exit 2), not
+    /// a backend that refuses the guard.
+    pub fn read(path: &Path) -> Result<CaFile, ConfigError> {
+        let pem = std::fs::read(path)
+            .map_err(|e| invalid(format!("--ca-file {}: {e}", path.display())))?;
+        if !pem
+            .windows(CERTIFICATE_PEM.len())
+            .any(|w| w == CERTIFICATE_PEM)
+        {
+            return Err(invalid(format!(
+                "--ca-file {}: no PEM certificate in it (expected {})",
+                path.display(),
+                String::from_utf8_lossy(CERTIFICATE_PEM)
+            )));
+        }
+        Ok(CaFile {
+            path: path.to_owned(),
+            pem,
+        })
+    }
+}
+
+const CERTIFICATE_PEM: &[u8] = b"-----BEGIN CERTIFICATE-----";
 
 /// A URL with its credentials, which no `Debug` or `Display` ever prints.
 #[derive(Clone)]
@@ -493,6 +550,7 @@ impl Target {
                     opts,
                     url,
                     secret: SecretUrl::new(raw.to_owned()),
+                    ca_file: None,
                 }))
             }
             "redis" | "rediss" => {
@@ -518,6 +576,52 @@ impl Target {
             }
             other => Err(invalid(format!(
                 "--url: unsupported scheme {other:?}; expected mysql://, redis://, rediss:// or file://"
+            ))),
+        }
+    }
+
+    /// The same target, verifying the server's certificate against `ca` only. A CA for a connection
+    /// without TLS would protect nothing, so it is a configuration error rather than ignored.
+    pub fn trusting(self, ca: &CaFile) -> Result<Target, ConfigError> {
+        let shown = ca.path.display();
+        match self {
+            Target::Mysql(mut mysql) => {
+                let Some(tls) = mysql.opts.ssl_opts().cloned() else {
+                    return Err(invalid(format!(
+                        "--ca-file {shown}: {} does not use TLS; add ?require_ssl=true to the URL",
+                        mysql.url
+                    )));
+                };
+                let tls = tls
+                    .with_root_certs(vec![ca.pem.clone().into()])
+                    .with_disable_built_in_roots(true);
+                mysql.opts = mysql_async::OptsBuilder::from_opts(mysql.opts)
+                    .ssl_opts(Some(tls))
+                    .into();
+                mysql.ca_file = Some(ca.path.clone());
+                Ok(Target::Mysql(mysql))
+            }
+            Target::Redis(mut redis) => {
+                if !redis.url.to_string().starts_with("rediss://") {
+                    return Err(invalid(format!(
+                        "--ca-file {shown}: {} does not use TLS; use a rediss:// URL",
+                        redis.url
+                    )));
+                }
+                let certificates = redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(ca.pem.clone()),
+                };
+                redis.client = redis::Client::build_with_tls(
+                    redis.client.get_connection_info().clone(),
+                    certificates,
+                )
+                .map_err(|e| invalid(format!("--ca-file {shown}: {}", redis.url.scrub(e))))?;
+                Ok(Target::Redis(redis))
+            }
+            Target::File(path) => Err(invalid(format!(
+                "--ca-file {shown}: file://{} is a local lock and uses no TLS",
+                path.display()
             ))),
         }
     }
@@ -667,7 +771,8 @@ impl Timings {
 }
 
 /// Accepts `TERM`, `SIGTERM` (any case) or a number.
-pub fn parse_signal(raw: &str) -> Result<Signal, ConfigError> {
+/// A signal as `option` takes it: `TERM`, `SIGTERM` or `15`.
+pub fn parse_signal(option: &str, raw: &str) -> Result<Signal, ConfigError> {
     let trimmed = raw.trim();
     let parsed = match trimmed.parse::<i32>() {
         Ok(number) => Signal::try_from(number).ok(),
@@ -681,11 +786,7 @@ pub fn parse_signal(raw: &str) -> Result<Signal, ConfigError> {
             full.parse::<Signal>().ok()
         }
     };
-    parsed.ok_or_else(|| {
-        invalid(format!(
-            "--stop-signal {raw:?}: not a signal name or number"
-        ))
-    })
+    parsed.ok_or_else(|| invalid(format!("{option} {raw:?}: not a signal name or number")))
 }
 
 /// `--exit-code-map FROM=TO`: rewrites the command's exit status before the guard exits with it.
@@ -803,12 +904,24 @@ mod tests {
 
     #[test]
     fn signals_parse_by_name_short_name_and_number() {
-        assert_eq!(parse_signal("TERM").unwrap(), Signal::SIGTERM);
-        assert_eq!(parse_signal("sigterm").unwrap(), Signal::SIGTERM);
-        assert_eq!(parse_signal("15").unwrap(), Signal::SIGTERM);
-        assert_eq!(parse_signal("QUIT").unwrap(), Signal::SIGQUIT);
-        assert!(parse_signal("NOPE").is_err());
-        assert!(parse_signal("0").is_err());
+        assert_eq!(
+            parse_signal("--stop-signal", "TERM").unwrap(),
+            Signal::SIGTERM
+        );
+        assert_eq!(
+            parse_signal("--stop-signal", "sigterm").unwrap(),
+            Signal::SIGTERM
+        );
+        assert_eq!(
+            parse_signal("--stop-signal", "15").unwrap(),
+            Signal::SIGTERM
+        );
+        assert_eq!(
+            parse_signal("--stop-signal", "QUIT").unwrap(),
+            Signal::SIGQUIT
+        );
+        assert!(parse_signal("--stop-signal", "NOPE").is_err());
+        assert!(parse_signal("--stop-signal", "0").is_err());
     }
 
     #[test]

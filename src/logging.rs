@@ -53,8 +53,8 @@ const BUFFERED_LINES: usize = 1024;
 /// driver that stops reading stderr must never hold up the guard, whose next step may be a kill.
 pub fn init(format: LogFormat) -> WorkerGuard {
     let _ = FORMAT.set(format);
-    let filter =
-        EnvFilter::try_from_env("SENTINEL_GUARD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_from_env(crate::cli::LOG_FILTER_VAR)
+        .unwrap_or_else(|_| EnvFilter::new("info"));
     let (writer, flush) = NonBlockingBuilder::default()
         .lossy(true)
         .buffered_lines_limit(BUFFERED_LINES)

@@ -8,7 +8,9 @@ mod deadline;
 mod endpoints;
 mod holder;
 mod logging;
+mod manpage;
 mod metrics;
+mod notify;
 mod outcome;
 mod run;
 mod status;
@@ -16,6 +18,7 @@ mod supervisor;
 mod vocab;
 mod window;
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::Context;
@@ -27,6 +30,9 @@ use crate::endpoints::Endpoints;
 use crate::outcome::{Outcome, EXIT_INTERNAL, EXIT_USAGE};
 
 fn main() -> ExitCode {
+    // Read before anything else, to narrow the moment in which a dying parent goes unnoticed by
+    // --parent-death-signal.
+    let parent = nix::unistd::getppid();
     // The guard's own watchdog process, not a command for operators (hidden from --help).
     if std::env::args_os()
         .nth(1)
@@ -39,9 +45,9 @@ fn main() -> ExitCode {
             .collect();
         return supervisor::watchdog::main(&args, backend::say_farewell);
     }
-    let cli = Cli::parse();
+    let cli = Cli::try_parse().unwrap_or_else(|e| with_separator_hint(e).exit());
     let guard_switch =
-        std::env::var_os("SINGLE_INSTANCE_GUARD").map(|v| v.to_string_lossy().into_owned());
+        std::env::var_os(cli::GUARD_SWITCH_VAR).map(|v| v.to_string_lossy().into_owned());
     let invocation = match Invocation::from_cli(cli, guard_switch.as_deref()) {
         Ok(invocation) => invocation,
         Err(e) => {
@@ -52,6 +58,7 @@ fn main() -> ExitCode {
     match invocation {
         Invocation::Guard(config) => {
             let _flush = logging::init(config.log_format);
+            notify::init();
             // Bound first: a taken address is a mistake in the invocation, reported before any lock.
             let endpoints = match config.metrics_addr.map(Endpoints::bind).transpose() {
                 Ok(endpoints) => endpoints,
@@ -60,7 +67,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(EXIT_USAGE);
                 }
             };
-            match guard(&config, endpoints) {
+            match guard(&config, endpoints, parent) {
                 Ok(outcome) => {
                     ExitCode::from(outcome.exit_code(config.held_exit_code, &config.exit_code_map))
                 }
@@ -70,10 +77,12 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Invocation::Man => print_generated(|out| clap_mangen::Man::new(Cli::command()).render(out)),
+        Invocation::Man => print_generated(|out| manpage::render(Cli::command(), out)),
         Invocation::Completions(shell) => print_generated(|out| {
-            clap_complete::generate(shell, &mut Cli::command(), "sentinel-guard", out);
-            Ok(())
+            // clap_complete panics on a failed write, so it writes to memory first.
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "sentinel-guard", &mut script);
+            out.write_all(&script)
         }),
         Invocation::Status(config) => match runtime() {
             Ok(runtime) => ExitCode::from(runtime.block_on(status::run(&config))),
@@ -90,13 +99,36 @@ fn print_generated(
     render: impl FnOnce(&mut dyn std::io::Write) -> std::io::Result<()>,
 ) -> ExitCode {
     let mut stdout = std::io::stdout().lock();
-    match render(&mut stdout) {
+    match render(&mut stdout).and_then(|()| stdout.flush()) {
         Ok(()) => ExitCode::SUCCESS,
+        // `sentinel-guard man | head`: the reader has read all it wanted.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("sentinel-guard: error: {e}");
             ExitCode::from(EXIT_INTERNAL)
         }
     }
+}
+
+/// A command given without `--` before it is what clap calls an unexpected argument; the error then
+/// shows the form that works.
+fn with_separator_hint(mut error: clap::Error) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let separated = std::env::args_os().any(|arg| arg == "--");
+    let stray_word = matches!(
+        error.get(ContextKind::InvalidArg),
+        Some(ContextValue::String(arg)) if !arg.starts_with('-')
+    );
+    if error.kind() == ErrorKind::UnknownArgument && stray_word && !separated {
+        error.insert(
+            ContextKind::Suggested,
+            ContextValue::StyledStrs(vec![
+                "put the command after `--`: sentinel-guard [OPTIONS] -- <COMMAND> [ARGS]..."
+                    .into(),
+            ]),
+        );
+    }
+    error
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -108,6 +140,10 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 /// Runs on the main thread: the app is spawned from it, and its PR_SET_PDEATHSIG is tied to the
 /// spawning thread, which must therefore live as long as the guard.
-fn guard(config: &Config, endpoints: Option<Endpoints>) -> anyhow::Result<Outcome> {
-    Ok(runtime()?.block_on(run::run(config, endpoints)))
+fn guard(
+    config: &Config,
+    endpoints: Option<Endpoints>,
+    parent: nix::unistd::Pid,
+) -> anyhow::Result<Outcome> {
+    Ok(runtime()?.block_on(run::run(config, endpoints, parent)))
 }

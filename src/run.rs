@@ -1,36 +1,45 @@
 //! The guard's life: take the lock, start the app, then wait for whichever comes first of the app
 //! ending, the lock being lost, a signal, or the max runtime; tear the app's tree down; release.
 
-use nix::sys::signal::Signal;
-use tokio::sync::watch;
-use tokio::time::Instant;
-use tracing::{debug, error, info, info_span, warn, Instrument, Span};
-
 use std::cell::Cell;
 use std::time::Duration;
 
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tracing::{debug, error, info, info_span, warn, Instrument};
+
 use crate::backend::{
-    self, Acquisition, ClaimAnswer, ClaimRequest, HeldLock, LockError, LockLoss, LockRequest,
-    Patience,
+    self, Acquisition, Backoff, ClaimAnswer, ClaimRequest, HeldLock, LockError, LockLoss,
+    LockRequest, Patience,
 };
 use crate::config::{Config, Target, Wait};
 use crate::deadline::{self, AsyncBootTimer, Deadline};
 use crate::endpoints::Endpoints;
 use crate::holder::Holder;
 use crate::metrics::{AcquireOutcome, Metrics};
+use crate::notify;
 use crate::outcome::Outcome;
 use crate::supervisor::watchdog::Farewell;
 use crate::supervisor::{
-    self, ends_wait, is_shutdown, AppEnv, Event, SignalEvents, SpawnError, StartError, Supervisor,
-    TreeGone,
+    self, ends_wait, is_shutdown, AppEnv, Event, ParentWatch, SignalEvents, SpawnError, StartError,
+    Supervisor, TreeGone,
 };
 use crate::vocab::{signal_name, AppStatus, LossReason};
 use crate::window::{self, IfUnavailable, Schedule, ScheduleMode, Window, WindowOutcome};
 
-/// Variables the app must never see: they may carry the backend's credentials.
-const HIDDEN_FROM_APP: &[&str] = &["SENTINEL_GUARD_URL", "SENTINEL_GUARD_URL_FILE"];
+/// Variables the app (and the watchdog) must never see: the first two may carry the backend's
+/// credentials; with `NOTIFY_SOCKET` the app could tell systemd it is ready before it runs under the
+/// lock, or speak for the guard after a loss (with `NotifyAccess=all`), so the guard alone speaks.
+const HIDDEN_FROM_APP: &[&str] = &[
+    "SENTINEL_GUARD_URL",
+    "SENTINEL_GUARD_URL_FILE",
+    crate::notify::SOCKET_VAR,
+];
 
-pub async fn run(config: &Config, endpoints: Option<Endpoints>) -> Outcome {
+/// `parent` is the guard's parent when it started, for `--parent-death-signal`.
+pub async fn run(config: &Config, endpoints: Option<Endpoints>, parent: Pid) -> Outcome {
     let holder = Holder::of_this_process();
     let backend = config.target.as_ref().map_or("none", |t| t.backend_name());
     let span = info_span!(
@@ -38,7 +47,6 @@ pub async fn run(config: &Config, endpoints: Option<Endpoints>) -> Outcome {
         name = %config.name,
         backend,
         holder_id = %holder.id,
-        app_pid = tracing::field::Empty,
     );
     let metrics = Metrics::new(
         config.name.as_str(),
@@ -54,7 +62,7 @@ pub async fn run(config: &Config, endpoints: Option<Endpoints>) -> Outcome {
         metrics,
         stop_requested: Cell::new(false),
     };
-    let outcome = guard.run(endpoints).instrument(span.clone()).await;
+    let outcome = guard.run(endpoints, parent).instrument(span.clone()).await;
     span.in_scope(|| {
         let exit_code = outcome.exit_code(config.held_exit_code, &config.exit_code_map);
         info!(
@@ -77,7 +85,7 @@ struct Guard<'a> {
 }
 
 impl Guard<'_> {
-    async fn run(self, endpoints: Option<Endpoints>) -> Outcome {
+    async fn run(self, endpoints: Option<Endpoints>, parent: Pid) -> Outcome {
         if let Some(endpoints) = endpoints {
             if let Err(e) = endpoints.serve(self.metrics.clone()) {
                 error!(event = "metrics_failed", error = %e, "cannot serve the metrics endpoint");
@@ -92,6 +100,20 @@ impl Guard<'_> {
                 return Outcome::Internal;
             }
         };
+        if let Some(signal) = self.config.parent_death_signal {
+            match supervisor::on_parent_death(signal, parent) {
+                Ok(ParentWatch::AlreadyGone) => {
+                    warn!(event = "parent_died", signal = %signal_name(signal as i32), "the guard's parent died before it started; acting on the parent death signal")
+                }
+                Ok(watch) => {
+                    info!(event = "parent_death_signal", signal = %signal_name(signal as i32), pid1 = (watch == ParentWatch::Unseen), "the guard receives this signal when its parent dies")
+                }
+                Err(e) => {
+                    error!(event = "setup_failed", error = %e, "cannot set the parent death signal");
+                    return Outcome::Internal;
+                }
+            }
+        }
         supervisor::raise_descriptor_limit();
         if let Err(e) = supervisor::become_subreaper() {
             error!(event = "setup_failed", error = %e, "cannot become child subreaper; orphans of the app could escape teardown");
@@ -115,58 +137,111 @@ impl Guard<'_> {
             return self.scheduled(schedule, &mut signals).await;
         }
         let Some(target) = &self.config.target else {
-            return self.supervise(None, &mut signals, None).await;
+            return self.supervise(None, &mut signals, None).await.outcome();
         };
-        let patience = match self.config.wait {
-            Wait::No => Patience::None,
-            // Too far to represent is as good as forever.
-            Wait::For(limit) => Instant::now()
-                .checked_add(limit)
-                .map_or(Patience::Forever, Patience::Until),
-            Wait::Forever => Patience::Forever,
-        };
-        let request = LockRequest {
-            name: &self.config.name,
-            timings: &self.config.timings,
-            holder: self.holder,
-            patience,
-            metrics: &self.metrics,
-        };
-        let attempt = tokio::select! {
-            attempt = backend::acquire(target, &request) => attempt,
-            signal = stop_request(&mut signals) => {
-                warn!(event = "stopped_before_start", signal = %signal_name(signal), "stopped while taking the lock; the app was not started");
-                return Outcome::StoppedBeforeStart;
+        let mut rejoining = false;
+        loop {
+            let held = match self.take_lock(target, &mut signals, rejoining).await {
+                Ok(held) => held,
+                Err(outcome) => return outcome,
+            };
+            let finished = match self.takeover_delay(held, &mut signals).await {
+                Ok(held) => self.supervise(Some(held), &mut signals, None).await,
+                Err(finished) => finished,
+            };
+            match finished {
+                Finished::LockLost(gone) if self.config.rejoin => {
+                    self.rejoin(gone);
+                    rejoining = true;
+                }
+                finished => return finished.outcome(),
             }
-        };
-        let held = match attempt {
-            Ok(Acquisition::Acquired(held)) => {
-                self.metrics.acquire(AcquireOutcome::Acquired);
-                self.metrics.lock_taken(held.app_deadline());
-                held
-            }
-            Ok(Acquisition::HeldElsewhere(holder)) => {
-                warn!(
-                    event = "lock_held_elsewhere",
-                    holder = %holder,
-                    exit_code = self.config.held_exit_code,
-                    "lock is held by another instance; the app was not started"
-                );
-                return Outcome::HeldElsewhere;
-            }
-            Err(e) => {
-                self.metrics.acquire(AcquireOutcome::Error);
-                error!(event = "acquire_failed", error = %e, "cannot take the lock; the app was not started");
-                return match e {
-                    backend::LockError::NotALockFile(_) => Outcome::Usage,
-                    _ => Outcome::Unavailable,
-                };
-            }
-        };
-        match self.takeover_delay(held, &mut signals).await {
-            Ok(held) => self.supervise(Some(held), &mut signals, None).await,
-            Err(outcome) => outcome,
         }
+    }
+
+    /// Takes the lock, waiting for it as `--wait` allows. A guard rejoining after a loss retries a
+    /// failing backend with backoff instead of exiting 69: the backend's failure is often what took
+    /// the lock away (a restart, a failover), and no app runs meanwhile.
+    async fn take_lock(
+        &self,
+        target: &Target,
+        signals: &mut SignalEvents,
+        rejoining: bool,
+    ) -> Result<HeldLock, Outcome> {
+        let mut backoff = Backoff::new();
+        loop {
+            let patience = match self.config.wait {
+                Wait::No => Patience::None,
+                // Too far to represent is as good as forever.
+                Wait::For(limit) => Instant::now()
+                    .checked_add(limit)
+                    .map_or(Patience::Forever, Patience::Until),
+                Wait::Forever => Patience::Forever,
+            };
+            let request = LockRequest {
+                name: &self.config.name,
+                timings: &self.config.timings,
+                holder: self.holder,
+                patience,
+                metrics: &self.metrics,
+            };
+            let attempt = tokio::select! {
+                attempt = backend::acquire(target, &request) => attempt,
+                signal = stop_request(signals) => {
+                    warn!(event = "stopped_before_start", signal = %signal_name(signal), "stopped while taking the lock; the app was not started");
+                    return Err(Outcome::StoppedBeforeStart);
+                }
+            };
+            match attempt {
+                Ok(Acquisition::Acquired(held)) => {
+                    self.metrics.acquire(AcquireOutcome::Acquired);
+                    self.metrics.lock_taken(held.app_deadline());
+                    return Ok(held);
+                }
+                Ok(Acquisition::HeldElsewhere(holder)) => {
+                    warn!(
+                        event = "lock_held_elsewhere",
+                        holder = %holder,
+                        exit_code = self.config.held_exit_code,
+                        "lock is held by another instance; the app was not started"
+                    );
+                    return Err(Outcome::HeldElsewhere);
+                }
+                Err(backend::LockError::NotALockFile(e)) => {
+                    error!(event = "acquire_failed", error = %e, "cannot take the lock; the app was not started");
+                    return Err(Outcome::Usage);
+                }
+                Err(e) if rejoining => {
+                    self.metrics.acquire(AcquireOutcome::Error);
+                    tokio::select! {
+                        () = backoff.pause(&e, patience) => {}
+                        signal = stop_request(signals) => {
+                            warn!(event = "stopped_before_start", signal = %signal_name(signal), "stopped while waiting for the lock backend; the app was not started");
+                            return Err(Outcome::StoppedBeforeStart);
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.metrics.acquire(AcquireOutcome::Error);
+                    error!(event = "acquire_failed", error = %e, "cannot take the lock; the app was not started");
+                    return Err(Outcome::Unavailable);
+                }
+            }
+        }
+    }
+
+    /// After a lost lock with `--rejoin`: nothing of the app is alive (`gone` says so), so the guard
+    /// waits for the lock again as a standby; a new acquisition starts a new app.
+    fn rejoin(&self, gone: AppGone) {
+        let app = match gone {
+            AppGone::NeverStarted => "no app was started",
+            AppGone::Stopped(_tree) => "the app's process tree is gone",
+        };
+        info!(
+            event = "rejoining",
+            app, "lock lost; waiting for the lock again as a standby (--rejoin)"
+        );
+        notify::status("lock lost; waiting for the lock again as a standby");
     }
 
     /// `--every` and `--once-per`: windows numbered on the backend's clock, each claimed by at most
@@ -335,7 +410,7 @@ impl Guard<'_> {
         // Claimed only by the guard about to run it: after the delay, not before.
         let mut held = match self.takeover_delay(held, signals).await {
             Ok(held) => held,
-            Err(Outcome::StoppedBeforeStart) => {
+            Err(Finished::Exit(Outcome::StoppedBeforeStart)) => {
                 return Tried::Stopped(self.stopped_outcome(schedule))
             }
             Err(_) => return Tried::NotNow("the lock was lost during the takeover delay"),
@@ -441,15 +516,7 @@ impl Guard<'_> {
         }
         let locked = held.is_some();
         let claim = self.claim_request(schedule, window);
-        let span = info_span!(
-            "run",
-            window = window.index,
-            app_pid = tracing::field::Empty
-        );
-        let ended = self
-            .supervise(held, signals, Some(&claim))
-            .instrument(span)
-            .await;
+        let ended = self.supervise(held, signals, Some(&claim)).await.outcome();
         let code = ended.exit_code(self.config.held_exit_code, &self.config.exit_code_map);
         if locked && outcome == WindowOutcome::Ran {
             self.metrics.run_ended(code);
@@ -569,7 +636,7 @@ impl Guard<'_> {
         &self,
         mut held: HeldLock,
         signals: &mut SignalEvents,
-    ) -> Result<HeldLock, Outcome> {
+    ) -> Result<HeldLock, Finished> {
         let delay = self.config.takeover_delay;
         if delay.is_zero() {
             return Ok(held);
@@ -582,25 +649,29 @@ impl Guard<'_> {
             return Ok(held);
         }
         info!(event = "takeover_delay", delay = %humantime::format_duration(delay), "lock acquired; holding it for the takeover delay before starting the app");
+        notify::status(&format!(
+            "lock acquired; holding it for the takeover delay ({}) before starting the app",
+            humantime::format_duration(delay)
+        ));
         tokio::select! {
             // A loss reported as the delay ends must win over the delay's end.
             biased;
             loss = held.lost() => {
                 self.metrics.lock_lost(loss.reason);
                 error!(event = "lock_lost", reason = %loss.reason, detail = %loss.detail, "lock lost during the takeover delay; the app was not started");
-                Err(Outcome::LockLost)
+                Err(Finished::LockLost(AppGone::NeverStarted))
             }
             signal = stop_request(signals) => {
                 warn!(event = "stopped_before_start", signal = %signal_name(signal), "stopped during the takeover delay; the app was not started");
                 self.release_unused(Some(held)).await;
-                Err(Outcome::StoppedBeforeStart)
+                Err(Finished::Exit(Outcome::StoppedBeforeStart))
             }
             _ = tokio::time::sleep(delay) => Ok(held),
         }
     }
 
     /// Gives the lock back once nothing of the app is alive, which `gone` proves.
-    async fn release(&self, held: Option<HeldLock>, gone: TreeGone) {
+    async fn release(&self, held: Option<HeldLock>, gone: &TreeGone) {
         if let Some(lock) = held {
             self.released(lock.release(gone).await);
         }
@@ -627,7 +698,7 @@ impl Guard<'_> {
         mut held: Option<HeldLock>,
         signals: &mut SignalEvents,
         window: Option<&ClaimRequest<'_>>,
-    ) -> Outcome {
+    ) -> Finished {
         let config = self.config;
         let mut set = vec![
             ("SENTINEL_GUARD_NAME", config.name.to_string()),
@@ -653,13 +724,13 @@ impl Guard<'_> {
             Err(e) => {
                 error!(event = "setup_failed", error = %e, "cannot create the lock's deadline timer; the app was not started");
                 self.release_unused(held).await;
-                return Outcome::Internal;
+                return Outcome::Internal.into();
             }
         };
         if let Some(loss) = held.as_ref().and_then(HeldLock::known_lost) {
             self.metrics.lock_lost(loss.reason);
             error!(event = "lock_lost", reason = %loss.reason, detail = %loss.detail, "lock lost before the app was started; the app was not started");
-            return Outcome::LockLost;
+            return Finished::LockLost(AppGone::NeverStarted);
         }
         let started = {
             let farewell = match &held {
@@ -679,8 +750,8 @@ impl Guard<'_> {
             Ok(app) => app,
             Err(StartError::Watchdog { error, gone }) => {
                 error!(event = "app_start_failed", error = %error, "cannot start the watchdog; the app was killed before the lock is given back");
-                self.release(held, gone).await;
-                return Outcome::Internal;
+                self.release(held, &gone).await;
+                return Outcome::Internal.into();
             }
             Err(e) => {
                 error!(event = "app_start_failed", error = %e, "app not started");
@@ -689,63 +760,82 @@ impl Guard<'_> {
                     StartError::Spawn(SpawnError::NotFound { .. }) => Outcome::NotFound,
                     StartError::Spawn(SpawnError::NotExecutable { .. }) => Outcome::NotExecutable,
                     StartError::Setup(_) | StartError::Watchdog { .. } => Outcome::Internal,
-                };
+                }
+                .into();
             }
         };
-        // The guard's span, or a scheduled run's own: a later window must not show an old pid.
-        Span::current().record("app_pid", app.app_pid().as_raw());
-        self.metrics.app_started();
-        if app_deadline.is_some() {
-            app.lock_deadline(lock_deadline(&app_deadline));
+        // Each app has its own span, so no line of a later acquisition (with --rejoin) names it.
+        let app_span = info_span!(
+            "app",
+            app_pid = app.app_pid().as_raw(),
+            window = window.map(|run| run.window.index)
+        );
+        async {
+            self.metrics.app_started();
+            notify::ready(&match held {
+                Some(_) => format!(
+                    "running: lock {} held by this guard ({}), app pid {}",
+                    config.name,
+                    self.holder.id,
+                    app.app_pid()
+                ),
+                None => format!("running unguarded (no lock), app pid {}", app.app_pid()),
+            });
+            if app_deadline.is_some() {
+                app.lock_deadline(lock_deadline(&app_deadline));
+            }
+            let max_runtime_at = config.max_runtime.map(Deadline::after);
+            let mut kill_at: Option<Deadline> = None;
+            let ending = loop {
+                tokio::select! {
+                    // The lock's deadline first: after a freeze, a passed deadline is acted on before any
+                    // later one, or any other event, is read.
+                    biased;
+                    () = deadline_timer.fired() => break Ending::Lost(LockLoss {
+                        reason: LossReason::DeadlinePassed,
+                        detail: "ownership was not proven again before the lock's deadline".to_owned(),
+                    }),
+                    dead_by = next_deadline(&mut app_deadline) => {
+                        app.lock_deadline(dead_by);
+                        if let Err(e) = deadline_timer.arm(dead_by) {
+                            // The watchdog still holds the deadline; the next proof re-arms the timer.
+                            warn!(event = "timer_failed", error = %e, "cannot re-arm the lock's deadline timer");
+                        }
+                    }
+                    event = app.next_event() => break match event {
+                        Event::AppExited(status) => Ending::AppExited(status),
+                        Event::WatchdogEnded { acted: true } => Ending::Lost(LockLoss {
+                            reason: LossReason::GuardFrozen,
+                            detail: "the watchdog stopped the app while the guard was unresponsive".to_owned(),
+                        }),
+                        Event::WatchdogEnded { acted: false } => Ending::Lost(LockLoss {
+                            reason: LossReason::WatchdogDied,
+                            detail: "the watchdog process exited; the app may not run without it".to_owned(),
+                        }),
+                    },
+                    loss = lost(&mut held) => break Ending::Lost(loss),
+                    signal = signals.next() => {
+                        app.forward(signal);
+                        if is_shutdown(signal) && kill_at.is_none() {
+                            self.stop_requested.set(true);
+                            kill_at = Some(Deadline::after(config.timings.grace_period));
+                            notify::stopping(&format!("stopping: {} forwarded to the app", signal_name(signal)));
+                        }
+                    }
+                    () = at(kill_at) => {
+                        app.kill_all();
+                        warn!(event = "killing_app", grace = %humantime::format_duration(config.timings.grace_period), "app still running after the grace period; sent SIGKILL");
+                        kill_at = None;
+                    }
+                    () = at(max_runtime_at) => break Ending::MaxRuntime,
+                }
+            };
+            let last_deadline = lock_deadline(&app_deadline);
+            self.finish(app, held, ending, last_deadline, kill_at, window)
+                .await
         }
-        let max_runtime_at = config.max_runtime.map(Deadline::after);
-        let mut kill_at: Option<Deadline> = None;
-        let ending = loop {
-            tokio::select! {
-                // The lock's deadline first: after a freeze, a passed deadline is acted on before any
-                // later one, or any other event, is read.
-                biased;
-                () = deadline_timer.fired() => break Ending::Lost(LockLoss {
-                    reason: LossReason::DeadlinePassed,
-                    detail: "ownership was not proven again before the lock's deadline".to_owned(),
-                }),
-                dead_by = next_deadline(&mut app_deadline) => {
-                    app.lock_deadline(dead_by);
-                    if let Err(e) = deadline_timer.arm(dead_by) {
-                        // The watchdog still holds the deadline; the next proof re-arms the timer.
-                        warn!(event = "timer_failed", error = %e, "cannot re-arm the lock's deadline timer");
-                    }
-                }
-                event = app.next_event() => break match event {
-                    Event::AppExited(status) => Ending::AppExited(status),
-                    Event::WatchdogEnded { acted: true } => Ending::Lost(LockLoss {
-                        reason: LossReason::GuardFrozen,
-                        detail: "the watchdog stopped the app while the guard was unresponsive".to_owned(),
-                    }),
-                    Event::WatchdogEnded { acted: false } => Ending::Lost(LockLoss {
-                        reason: LossReason::WatchdogDied,
-                        detail: "the watchdog process exited; the app may not run without it".to_owned(),
-                    }),
-                },
-                loss = lost(&mut held) => break Ending::Lost(loss),
-                signal = signals.next() => {
-                    app.forward(signal);
-                    if is_shutdown(signal) && kill_at.is_none() {
-                        self.stop_requested.set(true);
-                        kill_at = Some(Deadline::after(config.timings.grace_period));
-                    }
-                }
-                () = at(kill_at) => {
-                    app.kill_all();
-                    warn!(event = "killing_app", grace = %humantime::format_duration(config.timings.grace_period), "app still running after the grace period; sent SIGKILL");
-                    kill_at = None;
-                }
-                () = at(max_runtime_at) => break Ending::MaxRuntime,
-            }
-        };
-        let last_deadline = lock_deadline(&app_deadline);
-        self.finish(app, held, ending, last_deadline, kill_at, window)
-            .await
+        .instrument(app_span)
+        .await
     }
 
     /// The one way out of supervision: stop the app's whole tree, then give the lock back if it is
@@ -758,7 +848,7 @@ impl Guard<'_> {
         lock_deadline: Deadline,
         kill_at: Option<Deadline>,
         window: Option<&ClaimRequest<'_>>,
-    ) -> Outcome {
+    ) -> Finished {
         let config = self.config;
         let grace_ends = kill_at.unwrap_or_else(|| Deadline::after(config.timings.grace_period));
         let (signal, kill_by) = match &ending {
@@ -786,18 +876,27 @@ impl Guard<'_> {
         }
         let stopped = app
             .stop(signal, kill_by, || match &ending {
-                Ending::Lost(loss) => error!(
-                    event = "lock_lost",
-                    reason = %loss.reason,
-                    detail = %loss.detail,
-                    "lock lost; stopping the app"
-                ),
-                Ending::AppExited(status) => info!(event = "app_exited", %status, "app ended"),
-                Ending::MaxRuntime => warn!(
-                    event = "max_runtime",
-                    max_runtime = %config.max_runtime.map(|d| humantime::format_duration(d).to_string()).unwrap_or_default(),
-                    "max runtime reached; stopping the app"
-                ),
+                Ending::Lost(loss) => {
+                    error!(
+                        event = "lock_lost",
+                        reason = %loss.reason,
+                        detail = %loss.detail,
+                        "lock lost; stopping the app"
+                    );
+                    notify::stopping(&format!("stopping the app after lock loss ({})", loss.reason));
+                }
+                Ending::AppExited(status) => {
+                    info!(event = "app_exited", %status, "app ended");
+                    notify::stopping(&format!("app {status}; stopping"));
+                }
+                Ending::MaxRuntime => {
+                    warn!(
+                        event = "max_runtime",
+                        max_runtime = %config.max_runtime.map(|d| humantime::format_duration(d).to_string()).unwrap_or_default(),
+                        "max runtime reached; stopping the app"
+                    );
+                    notify::stopping("stopping the app: max runtime reached");
+                }
             })
             .await;
         if !matches!(ending, Ending::AppExited(_)) {
@@ -817,14 +916,14 @@ impl Guard<'_> {
                 reason = %LossReason::GuardFrozen,
                 "the lock ran out while the guard was unresponsive; the watchdog stopped the app"
             );
-            return Outcome::LockLost;
+            return Finished::LockLost(AppGone::Stopped(stopped.gone));
         }
         let outcome = match &ending {
             Ending::AppExited(status) => Outcome::AppExited(*status),
             Ending::MaxRuntime => Outcome::MaxRuntime,
             Ending::Lost(_) => Outcome::LockLost,
         };
-        match ending {
+        match &ending {
             // Dropping the lock closes what is left of it; it is not ours to give back, nor to
             // record the run's end under.
             Ending::Lost(loss) if loss.reason != LossReason::WatchdogDied => {
@@ -836,7 +935,8 @@ impl Guard<'_> {
                     );
                 }
             }
-            // Still ours (after a watchdog that died, the app may not run without it, but the lock holds).
+            // Still ours (after a watchdog that died, the app may not run without it, but the lock
+            // holds): the run's end is recorded under it, then it is given back.
             _ => {
                 if let (Some(run), Some(lock)) = (window, held.as_mut()) {
                     let code = outcome.exit_code(config.held_exit_code, &config.exit_code_map);
@@ -844,11 +944,45 @@ impl Guard<'_> {
                         warn!(event = "run_end_unrecorded", window = run.window.index, error = %e, "cannot record how the window's run ended");
                     }
                 }
-                self.release(held, stopped.gone).await;
+                self.release(held, &stopped.gone).await;
             }
         }
-        outcome
+        match outcome {
+            Outcome::LockLost => Finished::LockLost(AppGone::Stopped(stopped.gone)),
+            outcome => outcome.into(),
+        }
     }
+}
+
+/// How a run under one acquisition of the lock ended.
+enum Finished {
+    /// The guard exits with this.
+    Exit(Outcome),
+    /// The lock was lost and no app of this acquisition is alive: exit 75, or with `--rejoin` wait
+    /// for the lock again.
+    LockLost(AppGone),
+}
+
+impl Finished {
+    fn outcome(self) -> Outcome {
+        match self {
+            Finished::Exit(outcome) => outcome,
+            Finished::LockLost(_) => Outcome::LockLost,
+        }
+    }
+}
+
+impl From<Outcome> for Finished {
+    fn from(outcome: Outcome) -> Finished {
+        Finished::Exit(outcome)
+    }
+}
+
+/// Why no app of a lost acquisition is alive: rejoining needs one of these.
+enum AppGone {
+    NeverStarted,
+    /// Its teardown finished.
+    Stopped(TreeGone),
 }
 
 /// What became of one window's attempt.

@@ -1,6 +1,8 @@
 //! `sentinel-guard status`: who holds a lock, without taking or disturbing it. Exit codes follow LSB
 //! `status`, so scripts and probes can branch on them.
 
+use std::io::Write;
+
 use serde_json::{json, Map, Value};
 
 use crate::backend::{self, HolderInfo};
@@ -37,7 +39,7 @@ pub async fn run(config: &StatusConfig) -> u8 {
                     None
                 }
             };
-            println!("{}", render(config, holder.as_ref(), claim.as_ref()));
+            print_line(&render(config, holder.as_ref(), claim.as_ref()));
             if holder.is_some() {
                 EXIT_HELD
             } else {
@@ -48,6 +50,18 @@ pub async fn run(config: &StatusConfig) -> u8 {
             eprintln!("sentinel-guard: error: {e}");
             EXIT_UNAVAILABLE
         }
+    }
+}
+
+/// A closed stdout (`status | head -c1`) is a reader that has seen enough, not an error: the exit
+/// code still gives the answer.
+fn print_line(line: &str) {
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{line}").and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            eprintln!("sentinel-guard: error: cannot write to stdout: {e}");
+        }
+        _ => {}
     }
 }
 

@@ -60,3 +60,38 @@ fn man_page_and_completions_are_generated() {
         );
     }
 }
+
+#[test]
+fn man_page_lists_every_environment_variable_and_cites_no_unshipped_page() {
+    let man = help(&["man"]);
+    let text = help(&["--help"]) + &help(&["status", "--help"]);
+    let mut env_vars = words_starting(&text, "SENTINEL_GUARD_", |c| {
+        c.is_ascii_uppercase() || c == '_'
+    });
+    env_vars.extend(
+        [
+            "SINGLE_INSTANCE_GUARD",
+            "SENTINEL_GUARD_LOG",
+            "SENTINEL_GUARD_BACKEND",
+            "SENTINEL_GUARD_HOLDER_ID",
+            "SENTINEL_GUARD_FENCING_TOKEN",
+        ]
+        .map(String::from),
+    );
+    let environment = man
+        .split(".SH ENVIRONMENT")
+        .nth(1)
+        .expect("no ENVIRONMENT section");
+    let missing: Vec<_> = env_vars
+        .iter()
+        .filter(|v| !environment.contains(&format!("\\fB{v}\\fR")))
+        .collect();
+    assert!(missing.is_empty(), "man page ENVIRONMENT lacks {missing:?}");
+    // The only page shipped is sentinel-guard(1) itself.
+    let cited: Vec<_> = man
+        .lines()
+        .filter(|l| !l.starts_with(".TH"))
+        .filter(|l| l.contains("(1)") || l.contains("(8)") || l.contains("(5)"))
+        .collect();
+    assert!(cited.is_empty(), "man page cites other pages: {cited:?}");
+}

@@ -4,7 +4,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::redis::{make_ca, Redis};
+use common::redis::Redis;
+use common::tls::make_ca;
 use common::*;
 
 const SIGSTOP: i32 = 19;

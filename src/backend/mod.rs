@@ -40,6 +40,18 @@ pub enum LockError {
     Unsafe(String),
 }
 
+/// A connection that failed: a certificate rustls did not trust is the backend refusing the guard,
+/// said with what to do about it; anything else is an unreachable backend.
+fn connect_failure(message: String) -> LockError {
+    if message.contains("invalid peer certificate") {
+        LockError::Refused(format!(
+            "TLS certificate not trusted (give the CA that signed the server's certificate with --ca-file): {message}"
+        ))
+    } else {
+        LockError::Unreachable(message)
+    }
+}
+
 /// A lost lock, with what the backend said about it.
 #[derive(Debug, Clone)]
 pub struct LockLoss {
@@ -153,6 +165,7 @@ impl Contention<'_> {
         self.count();
         self.last_log = Some(Instant::now());
         info!(event = "lock_waiting", holder = %holder, "lock is held by another instance; waiting");
+        crate::notify::status(&format!("waiting for the lock held by {holder}"));
     }
 
     /// Patience has run out with the lock still held elsewhere.
@@ -378,7 +391,7 @@ impl HeldLock {
     }
 
     /// Gives the lock back, which only the proof that nothing of the app is alive allows.
-    pub async fn release(self, _gone: TreeGone) -> Result<(), LockError> {
+    pub async fn release(self, _gone: &TreeGone) -> Result<(), LockError> {
         self.give_back().await
     }
 

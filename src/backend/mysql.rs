@@ -6,6 +6,9 @@
 //! - between ownership checks a server-side `SLEEP` is always outstanding, so a `KILL` of the connection
 //!   or a dead server is seen the instant the socket closes, not at the next check.
 
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
@@ -16,10 +19,10 @@ use tracing::{debug, info, warn};
 
 use super::watched::{WatchedLock, WatcherEnds};
 use super::{
-    Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock, HolderInfo, LockError,
-    LockLoss, LockRequest, LossReason, Patience,
+    connect_failure, Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock,
+    HolderInfo, LockError, LockLoss, LockRequest, LossReason, Patience,
 };
-use crate::config::{LockName, MysqlTarget, SecretUrl, Target, Timings};
+use crate::config::{CaFile, LockName, MysqlTarget, SecretUrl, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
@@ -52,7 +55,7 @@ async fn connect(target: &MysqlTarget, connect_timeout: Duration) -> Result<Conn
             target.url,
             target.url.scrub(e)
         ))),
-        Ok(Err(e)) => Err(LockError::Unreachable(format!(
+        Ok(Err(e)) => Err(connect_failure(format!(
             "{}: {}",
             target.url,
             target.url.scrub(e)
@@ -355,6 +358,8 @@ struct SessionFarewell {
     /// The dead guard's holder id, which its outstanding check query carries in a comment.
     holder_id: String,
     timeout: Duration,
+    /// `--ca-file`, read again when needed: a path fits the pipe, a CA bundle may not.
+    ca_file: Option<PathBuf>,
 }
 
 /// Tags a farewell message as MySQL's.
@@ -372,6 +377,14 @@ impl SessionFarewell {
             bytes.push(field.len() as u8);
             bytes.extend_from_slice(field.as_bytes());
         }
+        // A path longer than PATH_MAX (4096) cannot name a file anyway.
+        let ca = self
+            .ca_file
+            .as_deref()
+            .map_or(&[][..], |path| path.as_os_str().as_bytes());
+        let ca = &ca[..ca.len().min(usize::from(u16::MAX))];
+        bytes.extend_from_slice(&(ca.len() as u16).to_le_bytes());
+        bytes.extend_from_slice(ca);
         bytes.extend_from_slice(url);
         bytes
     }
@@ -392,22 +405,31 @@ impl SessionFarewell {
         };
         let name = field()?;
         let holder_id = field()?;
-        let url = std::str::from_utf8(rest).ok()?;
+        let ca_len = usize::from(u16::from_le_bytes(rest.get(..2)?.try_into().ok()?));
+        let ca = rest.get(2..2 + ca_len)?;
+        let ca_file = (!ca.is_empty()).then(|| PathBuf::from(OsStr::from_bytes(ca)));
+        let url = std::str::from_utf8(&rest[2 + ca_len..]).ok()?;
         Some(SessionFarewell {
             url: SecretUrl::new(url.to_owned()),
             connection_id,
             name,
             holder_id,
             timeout: Duration::from_millis(u64::from(timeout_ms)),
+            ca_file,
         })
     }
 
     /// `KILL CONNECTION` from a new session, if that session still holds the lock; on a runtime of
     /// its own (the watchdog has none).
     fn end(&self) -> Result<String, String> {
-        let target = match Target::parse(self.url.expose(), "") {
+        let trusted = |target: Target| match &self.ca_file {
+            Some(path) => CaFile::read(path).and_then(|ca| target.trusting(&ca)),
+            None => Ok(target),
+        };
+        let target = match Target::parse(self.url.expose(), "").and_then(trusted) {
             Ok(Target::Mysql(target)) => target,
-            _ => return Err("not a mysql:// URL".to_owned()),
+            Ok(_) => return Err("not a mysql:// URL".to_owned()),
+            Err(e) => return Err(e.to_string()),
         };
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -491,6 +513,7 @@ impl MysqlLock {
             name: request.name.as_str().to_owned(),
             holder_id: request.holder.id.clone(),
             timeout: request.timings.connect_timeout,
+            ca_file: target.ca_file.clone(),
         }
         .encode();
         let watcher = Watcher {
@@ -1031,7 +1054,9 @@ impl Watcher {
             Ok(Ok(other)) => warn!(
                 event = "release_failed",
                 connection_id = self.conn_id,
-                result = ?other,
+                result = other
+                    .flatten()
+                    .map_or_else(|| "NULL".to_owned(), |n| n.to_string()),
                 "release_lock did not confirm; closing the connection frees the lock"
             ),
             Ok(Err(e)) => warn!(
@@ -1064,8 +1089,10 @@ mod tests {
             name: "billing".to_owned(),
             holder_id: "27e1d7a4c2e445db".to_owned(),
             timeout: Duration::from_millis(1500),
+            ca_file: Some(PathBuf::from("/etc/ssl/private ca.pem")),
         };
         let decoded = SessionFarewell::decode(&farewell.encode()).unwrap();
+        assert_eq!(decoded.ca_file, farewell.ca_file);
         assert_eq!(decoded.url.expose(), "mysql://sg:pw@db:3306/app");
         assert_eq!(decoded.connection_id, 4_000_000_001);
         assert_eq!(decoded.name, "billing");

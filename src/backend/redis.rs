@@ -16,8 +16,8 @@ use tracing::{debug, info, warn};
 
 use super::watched::{WatchedLock, WatcherEnds};
 use super::{
-    Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock, HolderInfo, LockError,
-    LockLoss, LockRequest, LossReason, Patience,
+    connect_failure, Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock,
+    HolderInfo, LockError, LockLoss, LockRequest, LossReason, Patience,
 };
 use crate::config::{LockName, RedisTarget, Timings};
 use crate::deadline::{self, Deadline};
@@ -193,7 +193,7 @@ fn lock_error(target: &RedisTarget, e: &RedisError) -> LockError {
         ErrorKind::AuthenticationFailed | ErrorKind::InvalidClientConfig => {
             LockError::Refused(message)
         }
-        _ => LockError::Unreachable(message),
+        _ => connect_failure(message),
     }
 }
 

@@ -17,7 +17,7 @@ use tracing::{debug, info, warn};
 use crate::cli::ForwardTo;
 use crate::deadline::{AsyncBootTimer, Deadline};
 use crate::vocab::{signal_name, AppStatus};
-pub use signals::{ends_wait, is_shutdown, SignalEvents};
+pub use signals::{ends_wait, is_shutdown, on_parent_death, ParentWatch, SignalEvents};
 pub use spawn::{raise_descriptor_limit, AppEnv, SpawnError};
 pub use tree::proc_is_ours;
 use watchdog::{Farewell, Message, Watchdog};

@@ -1,7 +1,8 @@
 //! Signals sent to the guard become events to forward to the app.
 
 use nix::libc;
-use nix::sys::signal::Signal;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::{getpid, getppid, Pid};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 
@@ -84,5 +85,55 @@ impl SignalEvents {
             Some(signal) => signal,
             None => std::future::pending().await,
         }
+    }
+}
+
+/// What `--parent-death-signal` found when it was set up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParentWatch {
+    /// The kernel sends the signal when the parent dies.
+    Armed,
+    /// The parent the guard started under was already gone; the guard sent the signal to itself.
+    AlreadyGone,
+    /// The guard is PID 1 of a namespace, whose parent lives outside it and has no pid here: armed,
+    /// but a parent that died before that cannot be noticed.
+    Unseen,
+}
+
+/// Asks the kernel to send `signal` to the guard when its parent dies (`PR_SET_PDEATHSIG`). Call it
+/// once the handlers are installed, so the signal arrives as an event like any other. A parent that
+/// died before the request never triggers it, so the guard compares its parent with
+/// `parent_at_start`, read first thing in `main`, and sends the signal itself if that one is gone.
+pub fn on_parent_death(signal: Signal, parent_at_start: Pid) -> nix::Result<ParentWatch> {
+    nix::sys::prctl::set_pdeathsig(signal)?;
+    if parent_at_start.as_raw() == 0 {
+        return Ok(ParentWatch::Unseen);
+    }
+    if getppid() != parent_at_start {
+        kill(getpid(), signal)?;
+        return Ok(ParentWatch::AlreadyGone);
+    }
+    Ok(ParentWatch::Armed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SIGWINCH is ignored by default, so the test process survives sending it to itself.
+    #[test]
+    fn a_parent_other_than_the_one_at_start_means_it_died_before_the_signal_was_set() {
+        let signal = Signal::SIGWINCH;
+        assert_eq!(on_parent_death(signal, getppid()), Ok(ParentWatch::Armed));
+        let someone_else = Pid::from_raw(getppid().as_raw() + 1_000_000);
+        assert_eq!(
+            on_parent_death(signal, someone_else),
+            Ok(ParentWatch::AlreadyGone)
+        );
+        assert_eq!(
+            on_parent_death(signal, Pid::from_raw(0)),
+            Ok(ParentWatch::Unseen)
+        );
+        nix::sys::prctl::set_pdeathsig(None).unwrap();
     }
 }

@@ -7,6 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use super::tls::server_certificate;
 use super::{free_port, wait_until, TempDir};
 
 pub const USER: &str = "guard";
@@ -71,7 +72,27 @@ impl MariaDb {
 
     /// A server started with `extra` options on top of the harness's own.
     pub fn start_with(extra: &[&str]) -> MariaDb {
+        MariaDb::start_in(tempfile::tempdir().unwrap(), extra)
+    }
+
+    /// A server that also speaks TLS, with a certificate for 127.0.0.1 signed by `ca_cert()`.
+    pub fn start_tls() -> MariaDb {
         let dir = tempfile::tempdir().unwrap();
+        server_certificate(dir.path());
+        let file = |name: &str| dir.path().join(name).display().to_string();
+        let extra = [
+            format!("--ssl-cert={}", file("server.pem")),
+            format!("--ssl-key={}", file("server.key")),
+            format!("--ssl-ca={}", file("ca.pem")),
+        ];
+        MariaDb::start_in(dir, &extra.each_ref().map(String::as_str))
+    }
+
+    pub fn ca_cert(&self) -> PathBuf {
+        self.dir.path().join("ca.pem")
+    }
+
+    fn start_in(dir: TempDir, extra: &[&str]) -> MariaDb {
         let status = Command::new("cp")
             .arg("-a")
             .arg(format!("{}/.", template().display()))

@@ -1,10 +1,11 @@
 //! A private `redis-server` on a free loopback port that keeps nothing on disk, so a restart comes
 //! back empty; optionally TLS-only with a CA generated for the test.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use super::tls::server_certificate;
 use super::{free_port, wait_until, TempDir};
 
 pub struct Redis {
@@ -27,44 +28,7 @@ impl Redis {
     fn launch(tls: bool) -> Redis {
         let dir = tempfile::tempdir().unwrap();
         if tls {
-            make_ca(dir.path(), "ca");
-            let d = dir.path();
-            openssl(
-                d,
-                &[
-                    "req",
-                    "-newkey",
-                    "rsa:2048",
-                    "-nodes",
-                    "-keyout",
-                    "server.key",
-                    "-out",
-                    "server.csr",
-                    "-subj",
-                    "/CN=127.0.0.1",
-                ],
-            );
-            std::fs::write(d.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
-            openssl(
-                d,
-                &[
-                    "x509",
-                    "-req",
-                    "-in",
-                    "server.csr",
-                    "-CA",
-                    "ca.pem",
-                    "-CAkey",
-                    "ca.key",
-                    "-CAcreateserial",
-                    "-out",
-                    "server.pem",
-                    "-days",
-                    "2",
-                    "-extfile",
-                    "san.ext",
-                ],
-            );
+            server_certificate(dir.path());
         }
         let mut server = Redis {
             dir,
@@ -168,40 +132,4 @@ impl Drop for Redis {
     fn drop(&mut self) {
         self.kill9();
     }
-}
-
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .current_dir(dir)
-        .args(args)
-        .output()
-        .expect("openssl is not installed");
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A self-signed CA: `<name>.pem` and `<name>.key` in `dir`.
-pub fn make_ca(dir: &Path, name: &str) {
-    let (cert, key) = (format!("{name}.pem"), format!("{name}.key"));
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            &key,
-            "-out",
-            &cert,
-            "-days",
-            "2",
-            "-subj",
-            &format!("/CN=test {name}"),
-        ],
-    );
 }
