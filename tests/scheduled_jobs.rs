@@ -86,7 +86,7 @@ fn logs(guards: &[GuardProcess]) -> String {
 /// Waits for seven windows to run, then asserts each ran exactly once and none was skipped after
 /// the first: the replicas start in the middle of a window, so the first run may still be going when
 /// the next window starts, which makes that one busy.
-fn six_windows_each_run_once(lab: &Lab, guards: &[GuardProcess]) {
+fn consecutive_windows_each_run_once(lab: &Lab, guards: &[GuardProcess]) {
     let seven = wait_until(Duration::from_secs(40), || runs_per_window(lab).len() >= 7);
     let runs = runs_per_window(lab);
     assert!(
@@ -119,7 +119,7 @@ fn each_window_exactly_once(backend: &Backend) {
     .concat();
     let app = job(&lab, "0.2");
     let guards = replicas(&mut lab, 3, &args, &app);
-    six_windows_each_run_once(&lab, &guards);
+    consecutive_windows_each_run_once(&lab, &guards);
     assert_no_overlap(&lab.path("trace"));
     let text = logs(&guards);
     assert!(text.contains("window claimed elsewhere"), "{text}");
@@ -211,7 +211,7 @@ fn skewed_clocks_do_not_matter(backend: &Backend) {
         guards.push(lab.start(cmd));
     }
     guards.push(lab.spawn(&args, &as_strs(&app)));
-    six_windows_each_run_once(&lab, &guards);
+    consecutive_windows_each_run_once(&lab, &guards);
     // The skewed replicas took part: each decided windows, with the server's numbers.
     for guard in &guards[..2] {
         assert!(
