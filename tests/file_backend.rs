@@ -128,3 +128,46 @@ fn missing_lock_directory_exits_69_and_names_it() {
         "{log}"
     );
 }
+
+#[test]
+fn a_waiting_standby_follows_the_lock_file_replaced_under_it() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("app.lock");
+    // The file is held by another program, which keeps holding the old file after the path moves on.
+    let mut holder = std::process::Command::new("flock")
+        .arg(lab.path("app.lock"))
+        .args(["sleep", "30"])
+        .spawn()
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(5), || {
+        std::fs::read_to_string("/proc/locks")
+            .unwrap()
+            .contains(&format!(" {} ", holder.id()))
+    }));
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut standby = lab.spawn(
+        &args(&url, &["--wait"]),
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    assert!(wait_until(Duration::from_secs(5), || standby
+        .log_text()
+        .contains("waiting")));
+    assert!(!pidfile.exists(), "{}", standby.log_text());
+    std::fs::write(lab.path("new.lock"), "").unwrap();
+    std::fs::rename(lab.path("new.lock"), lab.path("app.lock")).unwrap();
+    // A new guard would lock the file the path names now, so the standby takes that one.
+    read_pid(&pidfile, Duration::from_secs(5));
+    assert!(
+        holder.try_wait().unwrap().is_none(),
+        "the old file is still held"
+    );
+    standby.signal(15);
+    assert_eq!(
+        standby.code(Duration::from_secs(10)),
+        0,
+        "{}",
+        standby.log_text()
+    );
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+}

@@ -15,6 +15,8 @@ use tokio::time::Instant;
 
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
+use nix::sys::signal::{pthread_sigmask, SigSet, SigmaskHow};
+use tokio::sync::oneshot;
 use tracing::info;
 
 use super::{
@@ -33,35 +35,110 @@ const MAGIC: &str = "# sentinel-guard lock file";
 /// How often to retry when the path was replaced between opening and locking it.
 const OPEN_ATTEMPTS: usize = 5;
 
-/// How often a standby retries a held file lock: one non-blocking `flock` per attempt, cheap enough to
-/// make takeover take milliseconds, and a signal ends the wait at once.
+/// How often a waiting standby looks whether the path still names the file it waits on, and whether
+/// its patience has run out. The wait itself is a blocking `flock` that the kernel ends the moment
+/// the holder's lock goes: this tick only catches a replaced path and an expired `--wait`.
+const WAIT_RECHECK: Duration = Duration::from_millis(500);
+
+/// Where no thread can be started for the blocking wait, the standby retries this often instead.
 const WAIT_POLL: Duration = Duration::from_millis(10);
+
+/// The waiting thread only ever blocks in `flock(2)`: a small stack is plenty.
+const WAITER_STACK: usize = 64 * 1024;
 
 pub async fn acquire(path: &Path, request: &LockRequest<'_>) -> Result<Acquisition, LockError> {
     let mut contention = Contention::new(request.metrics);
     loop {
-        match try_acquire(path, request)? {
-            Acquisition::HeldElsewhere(holder) if request.patience.exhausted() => {
-                return Ok(contention.give_up(holder));
-            }
-            Acquisition::HeldElsewhere(holder) => {
-                if contention.log_due() {
-                    contention.waiting(&holder);
+        let (file, holder) = match try_acquire(path, request)? {
+            Attempt::Acquired(held) => return Ok(Acquisition::Acquired(held)),
+            Attempt::Held(file, holder) => (file, holder),
+        };
+        if request.patience.exhausted() {
+            return Ok(contention.give_up(holder));
+        }
+        if contention.log_due() {
+            contention.waiting(&holder);
+        }
+        let identity = FileIdentity::of(&file.metadata().map_err(|e| io_error(path, e))?);
+        let Some(mut granted) = wait_in_kernel(file) else {
+            tokio::time::sleep(request.patience.cap(WAIT_POLL)).await;
+            continue;
+        };
+        loop {
+            match tokio::time::timeout(request.patience.cap(WAIT_RECHECK), &mut granted).await {
+                Ok(Ok(Ok(locked))) => {
+                    if let Some(held) = hold(locked, path, request)? {
+                        return Ok(Acquisition::Acquired(held));
+                    }
+                    // The file was unlinked or replaced while we waited on it: take the path anew.
+                    break;
                 }
-                tokio::time::sleep(request.patience.cap(WAIT_POLL)).await;
+                // The wait failed (or its thread ended without an answer): try the path again soon.
+                Ok(_) => {
+                    tokio::time::sleep(request.patience.cap(WAIT_POLL)).await;
+                    break;
+                }
+                // Patience ran out (answered above, with the holder as it is now), or the path names
+                // another file than the one waited on: a new guard would lock that one.
+                Err(_) if request.patience.exhausted() => break,
+                Err(_) if FileIdentity::at(path) != Some(identity) => break,
+                Err(_) => {
+                    if contention.log_due() {
+                        if let Ok(mut file) = File::open(path) {
+                            contention.waiting(&describe_holder(&mut file, None));
+                        }
+                    }
+                }
             }
-            acquired => return Ok(acquired),
         }
     }
 }
 
-fn try_acquire(path: &Path, request: &LockRequest<'_>) -> Result<Acquisition, LockError> {
+/// The lock, taken with a blocking `flock` on a thread of its own, so a standby is woken by the
+/// kernel the moment the holder's lock is freed instead of polling for it. `None` if no thread can be
+/// started.
+///
+/// A wait given up (patience run out, a signal, the path replaced) leaves its thread blocked until
+/// the holder lets go; the lock it then takes is dropped at once, since no one takes it from the
+/// channel, and the thread ends.
+fn wait_in_kernel(file: File) -> Option<oneshot::Receiver<Result<Flock<File>, Errno>>> {
+    let (granted, answer) = oneshot::channel();
+    let waiter = move || {
+        // Signals are for the runtime's thread; a handler run here would only interrupt the wait.
+        let _ = pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(&SigSet::all()), None);
+        let mut file = file;
+        let result = loop {
+            match Flock::lock(file, FlockArg::LockExclusive) {
+                Ok(locked) => break Ok(locked),
+                Err((again, Errno::EINTR)) => file = again,
+                Err((_, errno)) => break Err(errno),
+            }
+        };
+        // Err: the wait was given up; the lock, if taken, is dropped here, which frees it.
+        let _ = granted.send(result);
+    };
+    std::thread::Builder::new()
+        .name("sentinel-guard-flock".into())
+        .stack_size(WAITER_STACK)
+        .spawn(waiter)
+        .ok()
+        .map(|_| answer)
+}
+
+enum Attempt {
+    Acquired(HeldLock),
+    /// Locked by another: the file found locked, and who holds it.
+    Held(File, HolderInfo),
+}
+
+fn try_acquire(path: &Path, request: &LockRequest<'_>) -> Result<Attempt, LockError> {
     for _ in 0..OPEN_ATTEMPTS {
         let file = open(path)?;
-        let mut locked = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        let locked = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             Ok(locked) => locked,
             Err((mut file, Errno::EWOULDBLOCK)) => {
-                return Ok(Acquisition::HeldElsewhere(describe_holder(&mut file, None)));
+                let holder = describe_holder(&mut file, None);
+                return Ok(Attempt::Held(file, holder));
             }
             Err((_, errno)) => {
                 return Err(LockError::Refused(format!(
@@ -70,31 +147,43 @@ fn try_acquire(path: &Path, request: &LockRequest<'_>) -> Result<Acquisition, Lo
                 )));
             }
         };
-        // Another guard may have locked, then lost, a file that was unlinked after we opened it.
-        let identity = FileIdentity::of(&locked.metadata().map_err(|e| io_error(path, e))?);
-        if FileIdentity::at(path) != Some(identity) {
-            continue;
+        if let Some(held) = hold(locked, path, request)? {
+            return Ok(Attempt::Acquired(held));
         }
-        let claim = read_claim(&mut locked);
-        write_record(&mut locked, Some(request.holder), claim.as_ref())
-            .map_err(|e| io_error(path, e))?;
-        info!(event = "lock_acquired", path = %path.display(), "file lock acquired");
-        return Ok(Acquisition::Acquired(HeldLock::File(FileLock {
-            record: Box::new(Record {
-                holder: request.holder.clone(),
-                claim,
-            }),
-            file: locked,
-            path: path.to_owned(),
-            identity,
-            check_interval: request.timings.check_interval,
-            checks: request.metrics.checks(),
-        })));
     }
     Err(LockError::Unsafe(format!(
         "{} keeps being replaced while the guard locks it",
         path.display()
     )))
+}
+
+/// Makes a freshly locked file the held lock, if the path still names it: another guard may have
+/// locked, then lost, a file that was unlinked after we opened it. `None` (and the lock dropped)
+/// otherwise.
+fn hold(
+    mut locked: Flock<File>,
+    path: &Path,
+    request: &LockRequest<'_>,
+) -> Result<Option<HeldLock>, LockError> {
+    let identity = FileIdentity::of(&locked.metadata().map_err(|e| io_error(path, e))?);
+    if FileIdentity::at(path) != Some(identity) {
+        return Ok(None);
+    }
+    let claim = read_claim(&mut locked);
+    write_record(&mut locked, Some(request.holder), claim.as_ref())
+        .map_err(|e| io_error(path, e))?;
+    info!(event = "lock_acquired", path = %path.display(), "file lock acquired");
+    Ok(Some(HeldLock::File(FileLock {
+        record: Box::new(Record {
+            holder: request.holder.clone(),
+            claim,
+        }),
+        file: locked,
+        path: path.to_owned(),
+        identity,
+        check_interval: request.timings.check_interval,
+        checks: request.metrics.checks(),
+    })))
 }
 
 /// Who holds the lock now, read from /proc/locks without taking it: even a brief test lock could make
