@@ -874,31 +874,19 @@ impl Guard<'_> {
             Ending::AppExited(status) => self.metrics.app_ended(Some(*status)),
             Ending::MaxRuntime => {}
         }
+        // A lock that will be given back once the tree is gone: the backend gets ready for that
+        // while the tree is torn down (after the first signal is out: kill first).
+        let releasing =
+            !matches!(&ending, Ending::Lost(loss) if loss.reason != LossReason::WatchdogDied);
         let stopped = app
-            .stop(signal, kill_by, || match &ending {
-                Ending::Lost(loss) => {
-                    error!(
-                        event = "lock_lost",
-                        reason = %loss.reason,
-                        detail = %loss.detail,
-                        "lock lost; stopping the app"
-                    );
-                    notify::stopping(&format!("stopping the app after lock loss ({})", loss.reason));
+            .stop(signal, kill_by, || {
+                if let (true, Some(lock)) = (releasing, held.as_ref()) {
+                    lock.release_coming();
                 }
-                Ending::AppExited(status) => {
-                    info!(event = "app_exited", %status, "app ended");
-                    notify::stopping(&format!("app {status}; stopping"));
-                }
-                Ending::MaxRuntime => {
-                    warn!(
-                        event = "max_runtime",
-                        max_runtime = %config.max_runtime.map(|d| humantime::format_duration(d).to_string()).unwrap_or_default(),
-                        "max runtime reached; stopping the app"
-                    );
-                    notify::stopping("stopping the app: max runtime reached");
-                }
+                announce(&ending, config)
             })
             .await;
+
         if !matches!(ending, Ending::AppExited(_)) {
             self.metrics.app_ended(stopped.app);
         }
@@ -950,6 +938,36 @@ impl Guard<'_> {
         match outcome {
             Outcome::LockLost => Finished::LockLost(AppGone::Stopped(stopped.gone)),
             outcome => outcome.into(),
+        }
+    }
+}
+
+/// Says why the app is being stopped, once the first signal is out.
+fn announce(ending: &Ending, config: &Config) {
+    match ending {
+        Ending::Lost(loss) => {
+            error!(
+                event = "lock_lost",
+                reason = %loss.reason,
+                detail = %loss.detail,
+                "lock lost; stopping the app"
+            );
+            notify::stopping(&format!(
+                "stopping the app after lock loss ({})",
+                loss.reason
+            ));
+        }
+        Ending::AppExited(status) => {
+            info!(event = "app_exited", %status, "app ended");
+            notify::stopping(&format!("app {status}; stopping"));
+        }
+        Ending::MaxRuntime => {
+            warn!(
+                event = "max_runtime",
+                max_runtime = %config.max_runtime.map(|d| humantime::format_duration(d).to_string()).unwrap_or_default(),
+                "max runtime reached; stopping the app"
+            );
+            notify::stopping("stopping the app: max runtime reached");
         }
     }
 }

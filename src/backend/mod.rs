@@ -390,6 +390,16 @@ impl HeldLock {
         }
     }
 
+    /// Says the lock will be given back once the app's tree is gone, so the backend can get ready
+    /// while the tree is torn down: MySQL opens the side connection that ends its check's `SLEEP`.
+    /// Never blocks, so it may come before the first signal of a teardown.
+    pub fn release_coming(&self) {
+        match self {
+            HeldLock::Mysql(lock) => lock.release_coming(),
+            HeldLock::Redis(_) | HeldLock::File(_) => {}
+        }
+    }
+
     /// Gives the lock back, which only the proof that nothing of the app is alive allows.
     pub async fn release(self, _gone: &TreeGone) -> Result<(), LockError> {
         self.give_back().await

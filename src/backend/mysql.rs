@@ -554,6 +554,10 @@ impl MysqlLock {
         self.watched.release().await
     }
 
+    pub fn release_coming(&self) {
+        self.watched.release_coming();
+    }
+
     pub fn app_deadline(&self) -> tokio::sync::watch::Receiver<Deadline> {
         self.watched.app_deadline()
     }
@@ -886,6 +890,28 @@ fn check_sql(request: &LockRequest<'_>) -> String {
     )
 }
 
+/// A side connection being opened in the background, to end the lock session's check at release.
+struct Interrupter(tokio::task::JoinHandle<Result<Conn, LockError>>);
+
+impl Interrupter {
+    fn open(target: MysqlTarget) -> Interrupter {
+        Interrupter(tokio::spawn(async move {
+            connect(&target, INTERRUPT_TIMEOUT).await
+        }))
+    }
+
+    async fn connected(mut self) -> Option<Conn> {
+        (&mut self.0).await.ok()?.ok()
+    }
+}
+
+impl Drop for Interrupter {
+    /// A release that needed no interruption leaves the side connection unused.
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 struct Watcher {
     conn_id: u32,
     target: MysqlTarget,
@@ -912,6 +938,9 @@ enum Check {
 
 impl Watcher {
     async fn run(self, mut conn: Conn, mut ends: WatcherEnds) -> Result<(), LockError> {
+        // The side connection that will end the check's `SLEEP` at release, opened as soon as a
+        // release is known to be coming, while the app's tree is still being torn down.
+        let mut side: Option<Interrupter> = None;
         loop {
             // If this check is not answered in time, the guard stops the app within the grace period.
             // A release asked for between checks needs no sleep interrupted.
@@ -926,12 +955,20 @@ impl Watcher {
                     conn.query_first::<(Option<i64>, Option<i64>), _>(&self.check_sql),
                 );
                 tokio::pin!(check);
-                tokio::select! {
-                    biased;
-                    // An answer counts only if it came within the budget of being sent: a guard
-                    // frozen past it reads a true answer about a moment that no longer holds.
-                    result = &mut check => (self.judge(result, sent), false),
-                    _ = &mut ends.release => (self.judge(self.interrupt(check).await, sent), true),
+                loop {
+                    tokio::select! {
+                        biased;
+                        // An answer counts only if it came within the budget of being sent: a guard
+                        // frozen past it reads a true answer about a moment that no longer holds.
+                        result = &mut check => break (self.judge(result, sent), false),
+                        _ = &mut ends.release => {
+                            let result = self.interrupt(check, side.take()).await;
+                            break (self.judge(result, sent), true);
+                        }
+                        () = ends.release_coming.wait(), if side.is_none() => {
+                            side = Some(Interrupter::open(self.target.clone()));
+                        }
+                    }
                 }
             };
             // An interrupted check says nothing about how fast the server answers.
@@ -1012,15 +1049,20 @@ impl Watcher {
         }
     }
 
-    /// Ends the outstanding check's `SLEEP` from a side connection so a release is not delayed by up
-    /// to a check interval, and returns the check's result. `KILL QUERY` is repeated until the check
-    /// answers: the first one can reach the server before the check itself does. Best effort: without
-    /// a side connection the sleep simply runs out.
-    async fn interrupt<F>(&self, mut check: std::pin::Pin<&mut F>) -> CheckResult
+    /// Ends the outstanding check's `SLEEP` from a side connection (`side`, if it was opened ahead)
+    /// so a release is not delayed by up to a check interval, and returns the check's result.
+    /// `KILL QUERY` is repeated until the check answers: the first one can reach the server before
+    /// the check itself does. Best effort: without a side connection the sleep simply runs out.
+    async fn interrupt<F>(
+        &self,
+        mut check: std::pin::Pin<&mut F>,
+        side: Option<Interrupter>,
+    ) -> CheckResult
     where
         F: std::future::Future<Output = CheckResult>,
     {
-        let Ok(mut side) = connect(&self.target, INTERRUPT_TIMEOUT).await else {
+        let side = side.unwrap_or_else(|| Interrupter::open(self.target.clone()));
+        let Some(mut side) = side.connected().await else {
             debug!(
                 connection_id = self.conn_id,
                 "could not interrupt the check sleep; waiting for it to end"

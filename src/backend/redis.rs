@@ -296,7 +296,7 @@ pub async fn acquire(
                 };
                 return Ok(Acquisition::Acquired(HeldLock::Redis(RedisLock {
                     target: Box::new(target.clone()),
-                    keys,
+                    keys: Box::new(keys),
                     token,
                     fence,
                     clean,
@@ -497,7 +497,8 @@ async fn read_lease(
 pub struct RedisLock {
     /// For the scheduled runs' claims, which prove the lease is ours with its token.
     target: Box<RedisTarget>,
-    keys: Keys,
+    /// Boxed with the target, so a held lock of any backend stays small.
+    keys: Box<Keys>,
     token: String,
     fence: i64,
     clean: bool,

@@ -14,7 +14,22 @@ use crate::deadline::Deadline;
 pub struct WatcherEnds {
     pub lost: watch::Sender<Option<LockLoss>>,
     pub release: oneshot::Receiver<()>,
+    pub release_coming: ReleaseComing,
     dead_by: watch::Sender<Deadline>,
+}
+
+/// Turns on when a release is coming (the app has ended and its tree is being torn down), so a
+/// watcher can get ready for it meanwhile.
+pub struct ReleaseComing(watch::Receiver<bool>);
+
+impl ReleaseComing {
+    /// Resolves once a release is known to be coming; at once every time after that.
+    pub async fn wait(&mut self) {
+        if self.0.wait_for(|coming| *coming).await.is_err() {
+            // The lock's owner is gone without a word: only the release channel matters now.
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
 impl WatcherEnds {
@@ -40,6 +55,7 @@ pub struct WatchedLock {
     lost: watch::Receiver<Option<LockLoss>>,
     dead_by: watch::Receiver<Deadline>,
     release: Option<oneshot::Sender<()>>,
+    release_coming: watch::Sender<bool>,
     watcher: JoinHandle<Result<(), LockError>>,
 }
 
@@ -53,17 +69,25 @@ impl WatchedLock {
         let (lost_tx, lost) = watch::channel(None);
         let (dead_by_tx, dead_by) = watch::channel(dead_by);
         let (release, release_rx) = oneshot::channel();
+        let (release_coming, release_coming_rx) = watch::channel(false);
         let task = watcher(WatcherEnds {
             lost: lost_tx,
             release: release_rx,
+            release_coming: ReleaseComing(release_coming_rx),
             dead_by: dead_by_tx,
         });
         WatchedLock {
             lost,
             dead_by,
             release: Some(release),
+            release_coming,
             watcher: tokio::spawn(task.in_current_span()),
         }
+    }
+
+    /// Says a release will follow once the app's tree is gone. Never blocks.
+    pub fn release_coming(&self) {
+        self.release_coming.send_replace(true);
     }
 
     /// The latest moment by which the app must be dead, as the watcher keeps moving it.
