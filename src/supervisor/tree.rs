@@ -43,11 +43,12 @@ fn all_processes() -> impl Iterator<Item = (i32, Entry)> {
         .filter_map(|pid| Some((pid, read_entry(pid)?)))
 }
 
-/// How many live (not zombie) processes are in the process group `pgid`.
-pub fn live_group_members(pgid: Pid) -> usize {
+/// The live (not zombie) processes in the process group `pgid`.
+pub fn live_group_members(pgid: Pid) -> Vec<Pid> {
     all_processes()
         .filter(|(_, entry)| entry.pgid == pgid.as_raw() && !entry.zombie)
-        .count()
+        .map(|(pid, _)| Pid::from_raw(pid))
+        .collect()
 }
 
 /// Whether /proc shows this process's own PID namespace. A guard started in a new namespace without

@@ -56,8 +56,12 @@ pub fn acted(status: AppStatus) -> bool {
 /// The watchdog starts stopping the app this long after the guard would have: a healthy guard acts
 /// first and starts its own teardown, so the two never signal the app together.
 const SLACK: Duration = Duration::from_millis(200);
-/// How often the watchdog of a dead guard looks whether the app's group is gone.
+/// How often the watchdog of a dead guard looks whether the app's group is gone, where it cannot
+/// wait for the group's processes to exit (no `pidfd_open`).
 const GROUP_GONE_POLL: Duration = Duration::from_millis(2);
+/// How long the watchdog of a dead guard waits for the processes it found in the app's group to exit
+/// before it looks at the group again.
+const GROUP_GONE_RECHECK: Duration = Duration::from_millis(100);
 /// After this long with app processes surviving SIGKILL, the watchdog says so (and keeps waiting).
 const GROUP_GONE_WARN: Duration = Duration::from_secs(2);
 
@@ -533,7 +537,11 @@ fn guard_gone(group: Pid, kept: Option<OwnedFd>, message: &[u8], farewell: Farew
     // Until the group is empty the lock must stay taken, however long a process takes to die.
     let waiting_since = Deadline::now();
     let mut warned = false;
-    while super::tree::live_group_members(group) > 0 {
+    loop {
+        let members = super::tree::live_group_members(group);
+        if members.is_empty() {
+            break;
+        }
         if !warned && waiting_since.elapsed() >= GROUP_GONE_WARN {
             warned = true;
             warn!(
@@ -541,7 +549,7 @@ fn guard_gone(group: Pid, kept: Option<OwnedFd>, message: &[u8], farewell: Farew
                 "app processes outlive SIGKILL; the lock stays held until they are gone"
             );
         }
-        std::thread::sleep(GROUP_GONE_POLL);
+        await_exits(&members);
     }
     drop(kept);
     if message.is_empty() {
@@ -558,6 +566,42 @@ fn guard_gone(group: Pid, kept: Option<OwnedFd>, message: &[u8], farewell: Farew
             error = %e,
             "cannot free the dead guard's lock; the backend frees it when it notices"
         ),
+    }
+}
+
+/// Waits until every one of `members` has exited, woken by the kernel through a pidfd of each, or
+/// for at most `GROUP_GONE_RECHECK`; a short sleep where pidfds are not available. The caller looks
+/// at the group again either way, so a pid reused meanwhile only costs a recheck.
+fn await_exits(members: &[Pid]) {
+    let mut pidfds = Vec::with_capacity(members.len());
+    for pid in members {
+        // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
+        match fd {
+            // SAFETY: a descriptor pidfd_open just returned, owned here alone.
+            fd if fd >= 0 => pidfds.push(unsafe { OwnedFd::from_raw_fd(fd as RawFd) }),
+            // Already reaped: gone.
+            _ if Errno::last() == Errno::ESRCH => {}
+            _ => {
+                std::thread::sleep(GROUP_GONE_POLL);
+                return;
+            }
+        }
+    }
+    let until = Deadline::after(GROUP_GONE_RECHECK);
+    // A pidfd turns readable once its process has exited.
+    while !pidfds.is_empty() && !until.has_passed() {
+        let left = u16::try_from(until.remaining().as_millis().max(1)).unwrap_or(u16::MAX);
+        let mut fds: Vec<PollFd<'_>> = pidfds
+            .iter()
+            .map(|fd| PollFd::new(fd.as_fd(), PollFlags::POLLIN))
+            .collect();
+        if poll(&mut fds, PollTimeout::from(left)).is_err() {
+            std::thread::sleep(GROUP_GONE_POLL);
+        }
+        let exited: Vec<bool> = fds.iter().map(|fd| fd.any().unwrap_or(false)).collect();
+        let mut exited = exited.into_iter();
+        pidfds.retain(|_| !exited.next().unwrap_or(false));
     }
 }
 
