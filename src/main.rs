@@ -38,7 +38,7 @@ fn main() -> ExitCode {
         .nth(1)
         .is_some_and(|arg| arg == "__watchdog")
     {
-        let _flush = logging::init(logging::inherited_format());
+        // The watchdog sets up its logging itself, once it has something to say.
         let args: Vec<String> = std::env::args_os()
             .skip(2)
             .map(|a| a.to_string_lossy().into_owned())

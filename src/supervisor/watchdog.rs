@@ -38,6 +38,7 @@ use nix::sys::signal::{killpg, Signal};
 use nix::sys::stat::{fstat, SFlag};
 use nix::unistd::{pipe2, Pid};
 use tracing::{debug, error, info, info_span, warn};
+use tracing_appender::non_blocking::WorkerGuard;
 
 use crate::deadline::{BootTimer, Deadline};
 use crate::vocab::{AppStatus, LossReason};
@@ -407,18 +408,10 @@ pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
     }
     // SAFETY: fd 3 was handed over by the guard and is owned by this process alone.
     let mut pipe = File::from(unsafe { OwnedFd::from_raw_fd(MESSAGE_FD) });
-    let context = |key| std::env::var(key).unwrap_or_default();
-    let _span = info_span!(
-        "watchdog",
-        name = context("SENTINEL_GUARD_NAME"),
-        backend = context("SENTINEL_GUARD_BACKEND"),
-        holder_id = context("SENTINEL_GUARD_HOLDER_ID"),
-        app_pid = group.as_raw(),
-    )
-    .entered();
+    let mut log = Log::new(group);
     let Ok((keeps_fd, message)) = decode_handover(&mut pipe) else {
         // The guard died before it finished the hand-over.
-        guard_gone(group, None, &[], farewell);
+        guard_gone(group, None, &[], farewell, &mut log);
         return ExitCode::SUCCESS;
     };
     // SAFETY: fd 4 was handed over with the flag that says so.
@@ -427,18 +420,19 @@ pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
         Ok(timer) => timer,
         Err(e) => {
             // Without a timer the switch cannot act on a frozen guard; the guard sees it end.
+            log.on();
             error!(event = "watchdog_failed", error = %e, "watchdog cannot create its timer");
             return ExitCode::from(crate::outcome::EXIT_INTERNAL);
         }
     };
     let mut switch = Switch::new(grace);
-    match watch(&mut pipe, timer, group, stop_signal, &mut switch) {
+    match watch(&mut pipe, timer, group, stop_signal, &mut switch, &mut log) {
         Ended::Acted => ExitCode::from(EXIT_ACTED),
         Ended::StoodDown => ExitCode::SUCCESS,
         Ended::GuardGone => {
             let message = if switch.farewell { &message[..] } else { &[] };
             let kept = if switch.farewell { kept } else { None };
-            guard_gone(group, kept, message, farewell);
+            guard_gone(group, kept, message, farewell, &mut log);
             ExitCode::SUCCESS
         }
     }
@@ -450,12 +444,47 @@ enum Ended {
     GuardGone,
 }
 
+/// The watchdog's logging, set up only once it has something to say (always after the action it
+/// reports: kill first, log after). A watchdog that is stood down, its usual end, never starts the
+/// log writer thread: it starts and exits sooner, which a hand-over waits for, and costs fewer pages.
+struct Log {
+    group: Pid,
+    started: Option<(tracing::span::EnteredSpan, WorkerGuard)>,
+}
+
+impl Log {
+    fn new(group: Pid) -> Log {
+        Log {
+            group,
+            started: None,
+        }
+    }
+
+    fn on(&mut self) {
+        if self.started.is_some() {
+            return;
+        }
+        let flush = crate::logging::init(crate::logging::inherited_format());
+        let context = |key| std::env::var(key).unwrap_or_default();
+        let span = info_span!(
+            "watchdog",
+            name = context("SENTINEL_GUARD_NAME"),
+            backend = context("SENTINEL_GUARD_BACKEND"),
+            holder_id = context("SENTINEL_GUARD_HOLDER_ID"),
+            app_pid = self.group.as_raw(),
+        )
+        .entered();
+        self.started = Some((span, flush));
+    }
+}
+
 fn watch(
     pipe: &mut File,
     mut timer: BootTimer,
     group: Pid,
     stop_signal: Signal,
     switch: &mut Switch,
+    log: &mut Log,
 ) -> Ended {
     loop {
         // The clock first: after a freeze, the deadline that passed is acted on before any later
@@ -464,6 +493,7 @@ fn watch(
             Action::Kill if switch.teardown => {
                 let _ = killpg(group, Signal::SIGKILL);
                 switch.killed_in_teardown();
+                log.on();
                 warn!(
                     event = "watchdog_killed_app",
                     "the guard's teardown reached its deadline; watchdog sent SIGKILL to the app's process group"
@@ -471,6 +501,7 @@ fn watch(
             }
             Action::Kill => {
                 let _ = killpg(group, Signal::SIGKILL);
+                log.on();
                 error!(
                     event = "watchdog_killed_app",
                     reason = LossReason::GuardFrozen.as_str(),
@@ -481,6 +512,7 @@ fn watch(
             Action::Stop => {
                 let _ = killpg(group, stop_signal);
                 switch.stop_sent();
+                log.on();
                 error!(
                     event = "watchdog_stopping_app",
                     reason = LossReason::GuardFrozen.as_str(),
@@ -514,18 +546,28 @@ fn watch(
         match Message::decode(bytes) {
             Some(Message::StandDown) => return Ended::StoodDown,
             Some(message) => switch.apply(message, Deadline::now()),
-            None => warn!(
-                event = "watchdog_bad_message",
-                "watchdog ignored a message it does not know"
-            ),
+            None => {
+                log.on();
+                warn!(
+                    event = "watchdog_bad_message",
+                    "watchdog ignored a message it does not know"
+                );
+            }
         }
     }
 }
 
 /// The guard has exited; if it died without tearing the app down, nothing else will. Once nothing
 /// of the app's group is left, the lock may go: the kept descriptor is closed and the farewell said.
-fn guard_gone(group: Pid, kept: Option<OwnedFd>, message: &[u8], farewell: FarewellRunner) {
+fn guard_gone(
+    group: Pid,
+    kept: Option<OwnedFd>,
+    message: &[u8],
+    farewell: FarewellRunner,
+    log: &mut Log,
+) {
     if killpg(group, Signal::SIGKILL).is_ok() {
+        log.on();
         warn!(
             event = "watchdog_killed_orphans",
             "guard gone; watchdog killed what was left of the app's process group"
@@ -544,6 +586,7 @@ fn guard_gone(group: Pid, kept: Option<OwnedFd>, message: &[u8], farewell: Farew
         }
         if !warned && waiting_since.elapsed() >= GROUP_GONE_WARN {
             warned = true;
+            log.on();
             warn!(
                 event = "watchdog_waiting",
                 "app processes outlive SIGKILL; the lock stays held until they are gone"
@@ -555,7 +598,9 @@ fn guard_gone(group: Pid, kept: Option<OwnedFd>, message: &[u8], farewell: Farew
     if message.is_empty() {
         return;
     }
-    match farewell(message) {
+    let said = farewell(message);
+    log.on();
+    match said {
         Ok(done) => info!(
             event = "watchdog_farewell",
             done = %done,
