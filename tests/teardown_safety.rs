@@ -382,8 +382,9 @@ fn flock_now(path: &Path) -> Option<Flock<File>> {
 /// it and exits 70 or 75, and the lock becomes free only once the app is dead.
 ///
 /// The limit is calibrated: a first run of the same guard, waiting for the lock, shows how many
-/// tasks (threads of every process of its uid) it has while idle (T); the real run gets
-/// RLIMIT_NPROC = T + 1, which leaves room for exactly one fork: the app's.
+/// tasks (threads of every process of its uid) it has while idle (T), one of them the thread that
+/// waits in `flock` and ends once the lock is granted; the real run gets RLIMIT_NPROC = T (T - 1
+/// tasks when the app is forked, plus one), which leaves room for exactly one fork: the app's.
 ///
 /// The test itself holds the flock until the guard waits, then releases it, lets the guard take it,
 /// and grabs it back the moment it is free, checking that nothing of the app is alive at that
@@ -446,7 +447,7 @@ fn watchdog_spawn_failure_stops_the_app_before_the_lock_is_free() {
         processes_of(NPROC_UID)
     );
 
-    let mut guard = lab.start(unprivileged(&lab, Some(tasks + 1), &args, &app));
+    let mut guard = lab.start(unprivileged(&lab, Some(tasks), &args, &app));
     let guard_pid = guard.pid();
     waiting(&guard);
     drop(ours);

@@ -60,13 +60,17 @@ pub async fn acquire(path: &Path, request: &LockRequest<'_>) -> Result<Acquisiti
             contention.waiting(&holder);
         }
         let identity = FileIdentity::of(&file.metadata().map_err(|e| io_error(path, e))?);
-        let Some(mut granted) = wait_in_kernel(file) else {
+        let Some((mut granted, waiter)) = wait_in_kernel(file) else {
             tokio::time::sleep(request.patience.cap(WAIT_POLL)).await;
             continue;
         };
         loop {
             match tokio::time::timeout(request.patience.cap(WAIT_RECHECK), &mut granted).await {
                 Ok(Ok(Ok(locked))) => {
+                    // It has sent its answer and is ending: joined, so no thread of the wait
+                    // outlives it (the app and its watchdog are forked next, and RLIMIT_NPROC
+                    // counts threads).
+                    let _ = waiter.join();
                     if let Some(held) = hold(locked, path, request)? {
                         return Ok(Acquisition::Acquired(held));
                     }
@@ -101,7 +105,7 @@ pub async fn acquire(path: &Path, request: &LockRequest<'_>) -> Result<Acquisiti
 /// A wait given up (patience run out, a signal, the path replaced) leaves its thread blocked until
 /// the holder lets go; the lock it then takes is dropped at once, since no one takes it from the
 /// channel, and the thread ends.
-fn wait_in_kernel(file: File) -> Option<oneshot::Receiver<Result<Flock<File>, Errno>>> {
+fn wait_in_kernel(file: File) -> Option<(Granted, std::thread::JoinHandle<()>)> {
     let (granted, answer) = oneshot::channel();
     let waiter = move || {
         // Signals are for the runtime's thread; a handler run here would only interrupt the wait.
@@ -122,8 +126,11 @@ fn wait_in_kernel(file: File) -> Option<oneshot::Receiver<Result<Flock<File>, Er
         .stack_size(WAITER_STACK)
         .spawn(waiter)
         .ok()
-        .map(|_| answer)
+        .map(|thread| (answer, thread))
 }
+
+/// The waiting thread's answer: the lock, or why the wait failed.
+type Granted = oneshot::Receiver<Result<Flock<File>, Errno>>;
 
 enum Attempt {
     Acquired(HeldLock),
