@@ -95,6 +95,44 @@ fn rejoins_after(url: &str, timings: &[&str], steal: impl FnOnce()) {
 }
 
 #[test]
+fn a_guard_rejoining_while_the_server_is_down_retries_until_it_is_back() {
+    let mut db = MariaDb::start();
+    let mut lab = Lab::new();
+    let url = db.url();
+    let mut args = vec![
+        "--url",
+        url.as_str(),
+        "--name",
+        "rejoin",
+        "--wait",
+        "--rejoin",
+    ];
+    args.extend(FAST);
+    let (trace, pid) = (lab.path("trace"), lab.path("a.pid"));
+    let mut a = lab.spawn(&args, &as_strs(&recording_app(&trace, &pid)));
+    let first_app = read_pid(&pid, LIMIT);
+    std::fs::remove_file(&pid).unwrap();
+    db.kill9();
+    assert!(
+        wait_until(LIMIT, || a.log_text().contains("backend_retry")),
+        "no retry while the server is down: {}",
+        a.log_text()
+    );
+    assert!(!alive(first_app), "the app outlived the lost lock");
+    assert!(
+        a.child.try_wait().unwrap().is_none(),
+        "A exited: {}",
+        a.log_text()
+    );
+    db.restart();
+    let second_app = read_pid(&pid, LIMIT);
+    assert_ne!(second_app, first_app);
+    a.signal(15);
+    assert_eq!(a.code(LIMIT), 0, "{}", a.log_text());
+    assert_eq!(assert_no_overlap(&trace), 2);
+}
+
+#[test]
 fn rejoin_without_wait_is_a_usage_error() {
     let mut lab = Lab::new();
     let url = lab.file_url("x.lock");
