@@ -191,7 +191,8 @@ impl Guard<'_> {
                     );
                     return Err(Outcome::HeldElsewhere);
                 }
-                Err(backend::LockError::NotALockFile(e)) => {
+                Err(e @ backend::LockError::NotALockFile(_)) => {
+                    self.metrics.acquire(AcquireOutcome::Error);
                     error!(event = "acquire_failed", error = %e, "cannot take the lock; the app was not started");
                     return Err(Outcome::Usage);
                 }
