@@ -17,6 +17,8 @@ use common::{
 };
 
 const LONG: Duration = Duration::from_secs(30);
+/// Debian's `libfaketime` (the `faketime` package).
+const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
 
 /// One `#[test]` per backend for a check that takes the backend.
 macro_rules! on_backends {
@@ -201,18 +203,32 @@ fn skewed_clocks_do_not_matter(backend: &Backend) {
     let app = job(&lab, "0.2");
     let mut guards = Vec::new();
     for skew in ["+90s", "-90s"] {
-        let mut cmd = common::launched_by(
-            &lab.command(&args, &as_strs(&app)),
-            "faketime",
-            &["-f", skew],
-        );
-        // The wall clock is skewed; the monotonic clocks a host keeps are not.
-        cmd.env("DONT_FAKE_MONOTONIC", "1");
+        // libfaketime preloaded directly: the `faketime` wrapper's semaphore, named after its pid,
+        // is left behind by a killed wrapper and refuses a later one that reuses the pid.
+        let mut cmd = lab.command(&args, &as_strs(&app));
+        cmd.env("LD_PRELOAD", LIBFAKETIME)
+            .env("FAKETIME", skew)
+            // The wall clock is skewed; the monotonic clocks a host keeps are not.
+            .env("DONT_FAKE_MONOTONIC", "1");
         guards.push(lab.start(cmd));
     }
     guards.push(lab.spawn(&args, &as_strs(&app)));
     consecutive_windows_each_run_once(&lab, &guards);
-    // The skewed replicas took part: each decided windows, with the server's numbers.
+    // The skewed replicas' clocks really were skewed (their log lines are stamped by them)...
+    for (guard, skew) in guards.iter().zip([90.0, -90.0]) {
+        let text = guard.log_text();
+        let stamp = text.split_whitespace().next().expect("a log line");
+        let logged = humantime::parse_rfc3339(stamp).expect("an RFC 3339 time");
+        let ahead = match logged.duration_since(std::time::SystemTime::now()) {
+            Ok(ahead) => ahead.as_secs_f64(),
+            Err(behind) => -behind.duration().as_secs_f64(),
+        };
+        assert!(
+            (ahead - skew).abs() < 60.0,
+            "skew {skew}s, log stamped {ahead:.0}s off: {text}"
+        );
+    }
+    // ...and they took part: each decided windows, with the server's numbers.
     for guard in &guards[..2] {
         assert!(
             guard.log_text().contains("window_decision"),
