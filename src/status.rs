@@ -37,6 +37,7 @@ pub async fn run(config: &StatusConfig) -> u8 {
 
 fn render(config: &StatusConfig, holder: Option<&HolderInfo>) -> String {
     let state = if holder.is_some() { "held" } else { "free" };
+    let key = backend::lock_key(&config.target, &config.name);
     match config.format {
         OutputFormat::Text => {
             let mut line = format!(
@@ -45,6 +46,9 @@ fn render(config: &StatusConfig, holder: Option<&HolderInfo>) -> String {
                 config.target.backend_name(),
                 config.target.location()
             );
+            if let Some(key) = key {
+                line.push_str(&format!(" key={key}"));
+            }
             if let Some(holder) = holder {
                 line.push(' ');
                 line.push_str(&holder.to_string());
@@ -60,14 +64,17 @@ fn render(config: &StatusConfig, holder: Option<&HolderInfo>) -> String {
                         .collect::<Map<_, _>>(),
                 )
             });
-            json!({
+            let mut answer = json!({
                 "name": config.name.as_str(),
                 "backend": config.target.backend_name(),
                 "url": config.target.location(),
                 "state": state,
                 "holder": holder,
-            })
-            .to_string()
+            });
+            if let Some(key) = key {
+                answer["key"] = json!(key);
+            }
+            answer.to_string()
         }
     }
 }

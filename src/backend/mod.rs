@@ -3,12 +3,15 @@
 //! Each backend proves ownership its own way (a MySQL connection that holds `GET_LOCK`, a `flock`ed
 //! file), but callers only see `Acquisition`, `HeldLock::lost` and `HeldLock::release`.
 
+mod farewell;
 mod file;
 mod mysql;
+mod postgres;
 mod redis;
 mod watched;
 
 use std::fmt;
+use std::future::Future;
 use std::time::Duration;
 
 use thiserror::Error;
@@ -196,6 +199,34 @@ impl Backoff {
     }
 }
 
+/// Reopens the session of a standby whose own session failed, with backoff, until patience runs out;
+/// at start (no patience) and on an unsafe server, the error is final: fail closed.
+pub async fn reopen<S, F, Fut>(
+    mut error: LockError,
+    patience: Patience,
+    backoff: &mut Backoff,
+    mut open: F,
+) -> Result<S, LockError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<S, LockError>>,
+{
+    if patience == Patience::None || matches!(error, LockError::Unsafe(_)) {
+        return Err(error);
+    }
+    loop {
+        if patience.exhausted() {
+            return Err(error);
+        }
+        backoff.pause(&error, patience).await;
+        match open().await {
+            Ok(session) => return Ok(session),
+            Err(unsafe_server @ LockError::Unsafe(_)) => return Err(unsafe_server),
+            Err(e) => error = e,
+        }
+    }
+}
+
 /// What every backend needs to know to take the lock.
 pub struct LockRequest<'a> {
     pub name: &'a LockName,
@@ -211,6 +242,7 @@ pub struct LockRequest<'a> {
 pub async fn acquire(target: &Target, request: &LockRequest<'_>) -> Result<Acquisition, LockError> {
     match target {
         Target::Mysql(mysql) => mysql::acquire(mysql, request).await,
+        Target::Postgres(postgres) => postgres::acquire(postgres, request).await,
         Target::Redis(redis) => redis::acquire(redis, request).await,
         Target::File(path) => file::acquire(path, request).await,
     }
@@ -226,13 +258,24 @@ pub async fn status(
 ) -> Result<Option<HolderInfo>, LockError> {
     match target {
         Target::Mysql(mysql) => mysql::status(mysql, name, connect, answer).await,
+        Target::Postgres(postgres) => postgres::status(postgres, name, connect, answer).await,
         Target::Redis(redis) => redis::status(redis, name, connect, answer).await,
         Target::File(path) => file::status(path),
     }
 }
 
+/// The lock's key on the backend where it differs from its name: PostgreSQL's advisory lock key,
+/// which a DBA looks for in `pg_locks`.
+pub fn lock_key(target: &Target, name: &LockName) -> Option<i64> {
+    match target {
+        Target::Postgres(_) => Some(postgres::lock_key(name)),
+        Target::Mysql(_) | Target::Redis(_) | Target::File(_) => None,
+    }
+}
+
 pub enum HeldLock {
     Mysql(mysql::MysqlLock),
+    Postgres(postgres::PostgresLock),
     Redis(redis::RedisLock),
     File(file::FileLock),
 }
@@ -243,7 +286,7 @@ impl HeldLock {
     pub fn previous_release_was_clean(&self) -> bool {
         match self {
             HeldLock::Redis(lock) => lock.previous_release_was_clean(),
-            HeldLock::Mysql(_) | HeldLock::File(_) => false,
+            HeldLock::Mysql(_) | HeldLock::Postgres(_) | HeldLock::File(_) => false,
         }
     }
 
@@ -253,18 +296,21 @@ impl HeldLock {
     pub fn app_deadline(&self) -> Option<tokio::sync::watch::Receiver<Deadline>> {
         match self {
             HeldLock::Mysql(lock) => Some(lock.app_deadline()),
+            HeldLock::Postgres(lock) => Some(lock.app_deadline()),
             HeldLock::Redis(lock) => Some(lock.app_deadline()),
             HeldLock::File(_) => None,
         }
     }
 
     /// What the watchdog does for this lock if the guard dies holding it, once the app is gone:
-    /// MySQL keeps a dead client's lock until it notices (the watchdog ends the session); a file
+    /// MySQL and PostgreSQL keep a dead client's lock until they notice (the watchdog ends the
+    /// session); a file
     /// lock would be freed by the kernel the moment the guard dies (the watchdog keeps a copy of the
     /// descriptor until then). A Redis lease needs nothing: it expires on the server's schedule.
     pub fn farewell(&self) -> Farewell<'_> {
         match self {
             HeldLock::Mysql(lock) => lock.farewell(),
+            HeldLock::Postgres(lock) => lock.farewell(),
             HeldLock::File(lock) => lock.farewell(),
             HeldLock::Redis(_) => Farewell::none(),
         }
@@ -277,6 +323,10 @@ impl HeldLock {
                 "SENTINEL_GUARD_FENCING_TOKEN",
                 lock.fencing_token().to_string(),
             )],
+            HeldLock::Postgres(lock) => vec![(
+                "SENTINEL_GUARD_FENCING_TOKEN",
+                lock.fencing_token().to_string(),
+            )],
             HeldLock::Mysql(_) | HeldLock::File(_) => Vec::new(),
         }
     }
@@ -286,6 +336,7 @@ impl HeldLock {
     pub fn known_lost(&self) -> Option<LockLoss> {
         let reported = match self {
             HeldLock::Mysql(lock) => lock.reported_loss(),
+            HeldLock::Postgres(lock) => lock.reported_loss(),
             HeldLock::Redis(lock) => lock.reported_loss(),
             HeldLock::File(_) => None,
         };
@@ -302,6 +353,7 @@ impl HeldLock {
     pub async fn lost(&mut self) -> LockLoss {
         match self {
             HeldLock::Mysql(lock) => lock.lost().await,
+            HeldLock::Postgres(lock) => lock.lost().await,
             HeldLock::Redis(lock) => lock.lost().await,
             HeldLock::File(lock) => lock.lost().await,
         }
@@ -321,6 +373,7 @@ impl HeldLock {
     async fn give_back(self) -> Result<(), LockError> {
         match self {
             HeldLock::Mysql(lock) => lock.release().await,
+            HeldLock::Postgres(lock) => lock.release().await,
             HeldLock::Redis(lock) => lock.release().await,
             HeldLock::File(lock) => lock.release(),
         }
@@ -330,5 +383,10 @@ impl HeldLock {
 /// Runs, in the watchdog of a guard that died holding a lock, the farewell message the backend
 /// handed it (see `HeldLock::farewell`).
 pub fn say_farewell(message: &[u8]) -> Result<String, String> {
-    mysql::say_farewell(message)
+    let farewell = farewell::SessionFarewell::decode(message)
+        .ok_or_else(|| "the farewell message is not one this program writes".to_owned())?;
+    match farewell.server {
+        farewell::Server::Mysql => mysql::end_session(&farewell),
+        farewell::Server::Postgres => postgres::end_session(&farewell),
+    }
 }

@@ -14,12 +14,13 @@ use tokio::sync::oneshot::error::TryRecvError;
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
+use super::farewell::{Server, SessionFarewell};
 use super::watched::{WatchedLock, WatcherEnds};
 use super::{
-    Acquisition, Backoff, Contention, HeldLock, HolderInfo, LockError, LockLoss, LockRequest,
-    LossReason, Patience,
+    reopen, Acquisition, Backoff, Contention, HeldLock, HolderInfo, LockError, LockLoss,
+    LockRequest, LossReason,
 };
-use crate::config::{LockName, MysqlTarget, SecretUrl, Target, Timings};
+use crate::config::{LockName, MysqlTarget, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
@@ -71,7 +72,7 @@ async fn open_session(target: &MysqlTarget, timings: &Timings) -> Result<Conn, L
     let mut conn = connect(target, timings.connect_timeout).await?;
     let bounded = timings.connect_timeout;
     refuse_unsafe_server(&mut conn, target, bounded).await?;
-    let wanted = timings.mysql_wait_timeout_secs();
+    let wanted = timings.session_timeout_secs();
     timeout(
         bounded,
         conn.query_drop(format!("SET SESSION wait_timeout = {wanted}")),
@@ -167,7 +168,7 @@ pub async fn acquire(
                 info!(
                     event = "lock_acquired",
                     connection_id = conn.id(),
-                    wait_timeout_secs = timings.mysql_wait_timeout_secs(),
+                    wait_timeout_secs = timings.session_timeout_secs(),
                     server_version = %version(&conn),
                     "mysql lock acquired"
                 );
@@ -195,21 +196,10 @@ pub async fn acquire(
             Err(_) => no_answer(target, "GET_LOCK", chunk + timings.check_timeout),
         };
         // Fail closed at start; a standby whose own session failed reconnects with backoff.
-        if patience == Patience::None || matches!(error, LockError::Unsafe(_)) {
-            return Err(error);
-        }
-        let mut error = error;
-        conn = loop {
-            if patience.exhausted() {
-                return Err(error);
-            }
-            backoff.pause(&error, patience).await;
-            match open_session(target, timings).await {
-                Ok(conn) => break conn,
-                Err(unsafe_server @ LockError::Unsafe(_)) => return Err(unsafe_server),
-                Err(e) => error = e,
-            }
-        };
+        conn = reopen(error, patience, &mut backoff, || {
+            open_session(target, timings)
+        })
+        .await?;
     }
 }
 
@@ -336,152 +326,84 @@ pub struct MysqlLock {
     farewell: Vec<u8>,
 }
 
-/// What the guard's watchdog needs to end the lock's session should the guard die holding it. The
-/// server notices a dead client only when the outstanding check's `SLEEP` ends, up to
-/// `--check-interval` later; ending the session frees the lock at once, so a standby takes over in
-/// milliseconds. The watchdog does it only after the app's process group is gone, and only if the
-/// lock is still held by that very session: after a server restart connection ids start again, and
-/// the id may by then belong to a stranger's session.
-struct SessionFarewell {
-    url: SecretUrl,
-    connection_id: u32,
-    name: String,
-    /// The dead guard's holder id, which its outstanding check query carries in a comment.
-    holder_id: String,
-    timeout: Duration,
+/// `KILL CONNECTION` of the dead guard's session, from a new session, if that session still holds
+/// the lock and runs the dead guard's check (see `SessionFarewell`). Run in the watchdog.
+pub fn end_session(farewell: &SessionFarewell) -> Result<String, String> {
+    let target = match Target::parse(farewell.url.expose(), "") {
+        Ok(Target::Mysql(target)) => target,
+        _ => return Err("not a mysql:// URL".to_owned()),
+    };
+    farewell.on_runtime(async {
+        let mut conn = connect(&target, farewell.timeout)
+            .await
+            .map_err(|e| e.to_string())?;
+        let result = end_on(farewell, &mut conn, &target).await;
+        let _ = timeout(farewell.timeout, conn.disconnect()).await;
+        result
+    })
 }
 
-/// Tags a farewell message as MySQL's.
-const FAREWELL_TAG: u8 = b'm';
-
-impl SessionFarewell {
-    fn encode(&self) -> Vec<u8> {
-        let url = self.url.expose().as_bytes();
-        let mut bytes = vec![FAREWELL_TAG];
-        bytes.extend_from_slice(&self.connection_id.to_le_bytes());
-        let timeout_ms = u32::try_from(self.timeout.as_millis()).unwrap_or(u32::MAX);
-        bytes.extend_from_slice(&timeout_ms.to_le_bytes());
-        // Lock names (at most 64 bytes, validated) and holder ids (hex) fit one length byte.
-        for field in [&self.name, &self.holder_id] {
-            bytes.push(field.len() as u8);
-            bytes.extend_from_slice(field.as_bytes());
-        }
-        bytes.extend_from_slice(url);
-        bytes
-    }
-
-    fn decode(bytes: &[u8]) -> Option<SessionFarewell> {
-        let (&tag, rest) = bytes.split_first()?;
-        if tag != FAREWELL_TAG || rest.len() < 9 {
-            return None;
-        }
-        let connection_id = u32::from_le_bytes(rest[0..4].try_into().ok()?);
-        let timeout_ms = u32::from_le_bytes(rest[4..8].try_into().ok()?);
-        let mut rest = &rest[8..];
-        let mut field = || {
-            let (&len, tail) = rest.split_first()?;
-            let value = std::str::from_utf8(tail.get(..usize::from(len))?).ok()?;
-            rest = &tail[usize::from(len)..];
-            Some(value.to_owned())
-        };
-        let name = field()?;
-        let holder_id = field()?;
-        let url = std::str::from_utf8(rest).ok()?;
-        Some(SessionFarewell {
-            url: SecretUrl::new(url.to_owned()),
-            connection_id,
-            name,
-            holder_id,
-            timeout: Duration::from_millis(u64::from(timeout_ms)),
-        })
-    }
-
-    /// `KILL CONNECTION` from a new session, if that session still holds the lock; on a runtime of
-    /// its own (the watchdog has none).
-    fn end(&self) -> Result<String, String> {
-        let target = match Target::parse(self.url.expose(), "") {
-            Ok(Target::Mysql(target)) => target,
-            _ => return Err("not a mysql:// URL".to_owned()),
-        };
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())?;
-        runtime.block_on(async {
-            let mut conn = connect(&target, self.timeout)
-                .await
-                .map_err(|e| e.to_string())?;
-            let result = self.end_on(&mut conn, &target).await;
-            let _ = timeout(self.timeout, conn.disconnect()).await;
-            result
-        })
-    }
-
-    async fn end_on(&self, conn: &mut Conn, target: &MysqlTarget) -> Result<String, String> {
-        let holder = holder_connection(conn, &self.name, self.timeout)
-            .await
-            .map_err(|e| match e {
-                Some(e) => target.url.scrub(e),
-                None => "no answer to IS_USED_LOCK".to_owned(),
-            })?;
-        if holder != Some(u64::from(self.connection_id)) {
-            return Ok(format!(
-                "left connection {} alone: the lock is no longer held by it",
-                self.connection_id
-            ));
-        }
-        // The same id could be a stranger's after a server restart; the dead guard's session is
-        // the one whose outstanding check names its holder id. A session with no query running
-        // ends on its own the moment its client's socket closes.
-        let info: Option<Option<String>> = timeout(
-            self.timeout,
-            conn.exec_first(
-                "SELECT INFO FROM information_schema.PROCESSLIST WHERE ID = ?",
-                (self.connection_id,),
-            ),
-        )
+async fn end_on(
+    farewell: &SessionFarewell,
+    conn: &mut Conn,
+    target: &MysqlTarget,
+) -> Result<String, String> {
+    let holder = holder_connection(conn, &farewell.name, farewell.timeout)
         .await
-        .map_err(|_| "no answer to the process list query".to_owned())?
-        .map_err(|e| target.url.scrub(e))?;
-        let ours = format!("holder_id={} ", self.holder_id);
-        if !info.flatten().is_some_and(|query| query.contains(&ours)) {
-            return Ok(format!(
-                "left connection {} alone: it is not running the dead guard's check",
-                self.connection_id
-            ));
-        }
-        let kill = format!("KILL CONNECTION {}", self.connection_id);
-        match timeout(self.timeout, conn.query_drop(kill)).await {
-            Err(_) => Err(format!(
-                "no answer within {}",
-                humantime::format_duration(self.timeout)
-            )),
-            Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_NO_SUCH_THREAD => Ok(format!(
-                "connection {} had already ended",
-                self.connection_id
-            )),
-            Ok(Err(e)) => Err(target.url.scrub(e)),
-            Ok(Ok(())) => Ok(format!("ended connection {}", self.connection_id)),
-        }
+        .map_err(|e| match e {
+            Some(e) => target.url.scrub(e),
+            None => "no answer to IS_USED_LOCK".to_owned(),
+        })?;
+    if holder != Some(u64::from(farewell.session_id)) {
+        return Ok(format!(
+            "left connection {} alone: the lock is no longer held by it",
+            farewell.session_id
+        ));
+    }
+    // The same id could be a stranger's after a server restart; the dead guard's session is
+    // the one whose outstanding check names its holder id. A session with no query running
+    // ends on its own the moment its client's socket closes.
+    let info: Option<Option<String>> = timeout(
+        farewell.timeout,
+        conn.exec_first(
+            "SELECT INFO FROM information_schema.PROCESSLIST WHERE ID = ?",
+            (farewell.session_id,),
+        ),
+    )
+    .await
+    .map_err(|_| "no answer to the process list query".to_owned())?
+    .map_err(|e| target.url.scrub(e))?;
+    let ours = format!("holder_id={} ", farewell.holder_id);
+    if !info.flatten().is_some_and(|query| query.contains(&ours)) {
+        return Ok(format!(
+            "left connection {} alone: it is not running the dead guard's check",
+            farewell.session_id
+        ));
+    }
+    let kill = format!("KILL CONNECTION {}", farewell.session_id);
+    match timeout(farewell.timeout, conn.query_drop(kill)).await {
+        Err(_) => Err(format!(
+            "no answer within {}",
+            humantime::format_duration(farewell.timeout)
+        )),
+        Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_NO_SUCH_THREAD => Ok(format!(
+            "connection {} had already ended",
+            farewell.session_id
+        )),
+        Ok(Err(e)) => Err(target.url.scrub(e)),
+        Ok(Ok(())) => Ok(format!("ended connection {}", farewell.session_id)),
     }
 }
 
 /// MariaDB's "Unknown thread id": the session had already ended.
 const ER_NO_SUCH_THREAD: u16 = 1094;
 
-/// Runs a farewell message made by `MysqlLock::farewell`, in the watchdog.
-pub fn say_farewell(message: &[u8]) -> Result<String, String> {
-    match SessionFarewell::decode(message) {
-        Some(farewell) => farewell.end(),
-        None => Err("the farewell message is not one this program writes".to_owned()),
-    }
-}
-
 impl MysqlLock {
     fn watch(conn: Conn, target: &MysqlTarget, request: &LockRequest<'_>) -> MysqlLock {
         let farewell = SessionFarewell {
+            server: Server::Mysql,
             url: target.secret.clone(),
-            connection_id: conn.id(),
+            session_id: conn.id(),
             name: request.name.as_str().to_owned(),
             holder_id: request.holder.id.clone(),
             timeout: request.timings.connect_timeout,
@@ -725,32 +647,5 @@ impl Watcher {
         // Closing the session frees the lock on the server even where RELEASE_LOCK failed.
         let _ = timeout(self.budget, conn.disconnect()).await;
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn farewell_messages_round_trip_and_others_are_refused() {
-        let farewell = SessionFarewell {
-            url: SecretUrl::new("mysql://sg:pw@db:3306/app".to_owned()),
-            connection_id: 4_000_000_001,
-            name: "billing".to_owned(),
-            holder_id: "27e1d7a4c2e445db".to_owned(),
-            timeout: Duration::from_millis(1500),
-        };
-        let decoded = SessionFarewell::decode(&farewell.encode()).unwrap();
-        assert_eq!(decoded.url.expose(), "mysql://sg:pw@db:3306/app");
-        assert_eq!(decoded.connection_id, 4_000_000_001);
-        assert_eq!(decoded.name, "billing");
-        assert_eq!(decoded.holder_id, "27e1d7a4c2e445db");
-        assert_eq!(decoded.timeout, Duration::from_millis(1500));
-        assert!(SessionFarewell::decode(b"").is_none());
-        assert!(SessionFarewell::decode(b"x12345678").is_none());
-        let mut truncated = farewell.encode();
-        truncated.truncate(12);
-        assert!(SessionFarewell::decode(&truncated).is_none());
     }
 }

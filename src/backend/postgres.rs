@@ -1,0 +1,869 @@
+//! PostgreSQL session-level advisory lock (`pg_try_advisory_lock(bigint)`) on one dedicated
+//! connection.
+//!
+//! As with MySQL, the session is the lock: the server frees it only when the session ends.
+//! - Every setting that lets the server end a silent session on its own (`idle_session_timeout`,
+//!   `tcp_user_timeout`, the TCP keepalive idle time) is set for the session to at least
+//!   `check-interval + check-timeout + grace + margin`, and read back; those that end a session
+//!   whatever its client does (`client_connection_check_interval`, `statement_timeout`,
+//!   `transaction_timeout`) are switched off. So the server frees the lock of a silent guard only
+//!   after the guard has noticed the silence and stopped its app.
+//! - Between ownership checks a server-side `pg_sleep` is always outstanding, so a
+//!   `pg_terminate_backend` or a dead server is seen the instant the socket closes.
+//! - Every statement runs as a simple query (no prepared statements) and the backend pid must stay
+//!   the same: a pooler in transaction or statement mode hands statements to different backends,
+//!   which breaks session locks, and is refused.
+
+mod tls;
+
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use tokio::sync::oneshot::error::TryRecvError;
+use tokio::time::timeout;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::{CancelToken, Client, SimpleQueryMessage};
+use tracing::{debug, info, warn};
+
+use super::farewell::{Server, SessionFarewell};
+use super::watched::{WatchedLock, WatcherEnds};
+use super::{
+    reopen, Acquisition, Backoff, Contention, HeldLock, HolderInfo, LockError, LockLoss,
+    LockRequest, LossReason,
+};
+use crate::config::{LockName, PostgresTarget, Target, Timings};
+use crate::deadline::Deadline;
+use crate::holder::Holder;
+use crate::metrics::{CheckOutcome, Checks};
+use crate::supervisor::watchdog::Farewell;
+
+pub use tls::Tls;
+
+/// The longest single server-side wait of a standby, so patience and the session's health are
+/// re-checked regularly.
+const WAIT_CHUNK: Duration = Duration::from_secs(2);
+/// How often a cancel request is repeated until the check answers.
+const INTERRUPT_RETRY: Duration = Duration::from_millis(20);
+/// How long the guard waits for a cancel request that interrupts its own `pg_sleep` at release.
+const INTERRUPT_TIMEOUT: Duration = Duration::from_secs(1);
+/// PostgreSQL 14 brought `idle_session_timeout` and `client_connection_check_interval`: older
+/// servers cannot be told which of their settings may end the session.
+const MIN_SERVER_VERSION: u32 = 140_000;
+/// PostgreSQL 17 brought `transaction_timeout`, which also ends a session whose single statement
+/// (the check's `pg_sleep`) runs too long.
+const TRANSACTION_TIMEOUT_SINCE: u32 = 170_000;
+
+/// The advisory lock key of a lock name: the first 8 bytes of SHA-256("sentinel-guard:" + name),
+/// as a big-endian signed 64-bit integer. Stable across versions and platforms, and computable by
+/// a DBA: `SELECT ('x' || left(encode(sha256('sentinel-guard:billing'), 'hex'), 16))::bit(64)::bigint`.
+pub fn lock_key(name: &LockName) -> i64 {
+    let digest = Sha256::digest(format!("sentinel-guard:{name}"));
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first)
+}
+
+/// The `pg_locks` row of a granted advisory lock on `key` in the current database: the two halves
+/// of a bigint key are `classid` and `objid`, and `objsubid` 1 marks the one-bigint form.
+fn lock_row(key: i64) -> String {
+    let key = key as u64;
+    format!(
+        "locktype = 'advisory' AND granted \
+         AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+         AND classid = '{high}'::oid AND objid = '{low}'::oid AND objsubid = 1",
+        high = key >> 32,
+        low = key & 0xffff_ffff,
+    )
+}
+
+/// Whether this session's backend holds `key`.
+fn held_here(key: i64) -> String {
+    format!(
+        "EXISTS (SELECT 1 FROM pg_locks WHERE {} AND pid = pg_backend_pid())",
+        lock_row(key)
+    )
+}
+
+/// `application_name` of a guard's session, so `pg_stat_activity` shows who holds what.
+fn application_name(holder_id: &str) -> String {
+    format!("sentinel-guard {holder_id}")
+}
+
+/// What a statement got: its rows as text (`None` for SQL NULL), or why none.
+type Rows = Vec<Vec<Option<String>>>;
+
+enum Failure {
+    /// No answer within the limit; the statement may still be running.
+    Timeout,
+    Db(tokio_postgres::Error),
+}
+
+/// Runs `sql` (one or more statements, as a simple query) within `limit`.
+async fn query(client: &Client, sql: &str, limit: Duration) -> Result<Rows, Failure> {
+    let messages = timeout(limit, client.simple_query(sql))
+        .await
+        .map_err(|_| Failure::Timeout)?
+        .map_err(Failure::Db)?;
+    Ok(messages
+        .into_iter()
+        .filter_map(|message| match message {
+            SimpleQueryMessage::Row(row) => Some(
+                (0..row.len())
+                    .map(|i| row.get(i).map(str::to_owned))
+                    .collect(),
+            ),
+            _ => None,
+        })
+        .collect())
+}
+
+/// A column of a row as a number.
+fn number<T: std::str::FromStr>(row: &[Option<String>], column: usize) -> Option<T> {
+    row.get(column)?.as_deref()?.parse().ok()
+}
+
+fn is_true(row: &[Option<String>], column: usize) -> bool {
+    row.get(column).and_then(Option::as_deref) == Some("t")
+}
+
+/// Whether the error means the session is gone (the server ended it, or the socket closed),
+/// rather than that one statement failed.
+fn session_ended(e: &tokio_postgres::Error) -> bool {
+    match e.code() {
+        Some(code) => [
+            SqlState::ADMIN_SHUTDOWN,
+            SqlState::CRASH_SHUTDOWN,
+            SqlState::CANNOT_CONNECT_NOW,
+            SqlState::IDLE_SESSION_TIMEOUT,
+        ]
+        .contains(code),
+        None => true,
+    }
+}
+
+impl PostgresTarget {
+    fn failed(&self, what: &str, failure: Failure, limit: Duration) -> LockError {
+        match failure {
+            Failure::Timeout => LockError::Unreachable(format!(
+                "{}: no answer to {what} within {}",
+                self.url,
+                humantime::format_duration(limit)
+            )),
+            Failure::Db(e) => self.error(e),
+        }
+    }
+
+    fn error(&self, e: tokio_postgres::Error) -> LockError {
+        LockError::Unreachable(self.explain(e))
+    }
+
+    /// A driver error, with the database's own message and code where there is one (the driver's
+    /// `Display` says only "db error").
+    fn explain(&self, e: tokio_postgres::Error) -> String {
+        let text = match e.as_db_error() {
+            Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+            None => e.to_string(),
+        };
+        format!("{}: {}", self.url, self.url.scrub(text))
+    }
+}
+
+/// A connection and the backend serving it.
+struct Session {
+    client: Client,
+    pid: i32,
+}
+
+/// Connects within `limit`; the connection's I/O runs as a task of its own until the client is
+/// dropped or the server closes it.
+async fn connect(
+    target: &PostgresTarget,
+    app_name: &str,
+    limit: Duration,
+) -> Result<Client, LockError> {
+    let tls = Tls::new(&target.tls)
+        .map_err(|e| LockError::Unreachable(format!("{}: {e}", target.url)))?;
+    let mut config = target.config.clone();
+    config
+        .application_name(app_name)
+        .ssl_mode(tls::driver_mode(&target.tls));
+    match timeout(limit, config.connect(tls)).await {
+        Err(_) => Err(LockError::Unreachable(format!(
+            "no connection to {} within {}",
+            target.url,
+            humantime::format_duration(limit)
+        ))),
+        // The server said no (a wrong password, an unknown database, too many clients).
+        Ok(Err(e)) if e.as_db_error().is_some() => Err(LockError::Refused(target.explain(e))),
+        Ok(Err(e)) => Err(target.error(e)),
+        Ok(Ok((client, connection))) => {
+            tokio::spawn(async move {
+                let _ = connection.await;
+            });
+            Ok(client)
+        }
+    }
+}
+
+/// A setting that can end a session on the server's own schedule, and what the guard needs of it.
+struct Setting {
+    name: &'static str,
+    /// The value set, in the setting's base unit; `0` switches it off.
+    value: u64,
+    /// Only a TCP connection has it (a Unix socket's peer cannot go silent).
+    tcp_only: bool,
+}
+
+/// The settings that let the server end the session, and so free the lock, without the guard.
+fn session_settings(version: u32, silent_secs: u64) -> Vec<Setting> {
+    let mut settings = vec![
+        Setting {
+            name: "idle_session_timeout",
+            value: silent_secs * 1000,
+            tcp_only: false,
+        },
+        Setting {
+            name: "tcp_user_timeout",
+            value: silent_secs * 1000,
+            tcp_only: true,
+        },
+        Setting {
+            name: "tcp_keepalives_idle",
+            value: silent_secs,
+            tcp_only: true,
+        },
+        Setting {
+            name: "client_connection_check_interval",
+            value: 0,
+            tcp_only: false,
+        },
+        Setting {
+            name: "statement_timeout",
+            value: 0,
+            tcp_only: false,
+        },
+    ];
+    if version >= TRANSACTION_TIMEOUT_SINCE {
+        settings.push(Setting {
+            name: "transaction_timeout",
+            value: 0,
+            tcp_only: false,
+        });
+    }
+    settings
+}
+
+/// Connects and makes the session fit to hold the lock: a primary, recent enough, reached without
+/// a transaction pooler, with every setting that could end the session kept beyond the guard's
+/// detection bound plus grace.
+async fn open_session(
+    target: &PostgresTarget,
+    timings: &Timings,
+    app_name: &str,
+) -> Result<Session, LockError> {
+    let client = connect(target, app_name, timings.connect_timeout).await?;
+    let bounded = timings.connect_timeout;
+    let first =
+        "SELECT pg_backend_pid(), pg_is_in_recovery(), current_setting('server_version_num'), \
+                 inet_client_addr() IS NULL";
+    let rows = query(&client, first, bounded)
+        .await
+        .map_err(|f| target.failed("the server check", f, bounded))?;
+    let row = rows.first().map(Vec::as_slice).unwrap_or_default();
+    let (Some(pid), Some(version)) = (number::<i32>(row, 0), number::<u32>(row, 2)) else {
+        return Err(LockError::Unsafe(format!(
+            "unexpected answer to the server check: {row:?}"
+        )));
+    };
+    if is_true(row, 1) {
+        return Err(LockError::Unsafe(
+            "pg_is_in_recovery() is true: this is a hot standby, whose advisory locks are local to it; \
+             point --url at the primary"
+                .to_owned(),
+        ));
+    }
+    if version < MIN_SERVER_VERSION {
+        return Err(LockError::Unsafe(format!(
+            "PostgreSQL {version} is older than 14: it lacks idle_session_timeout and \
+             client_connection_check_interval, so the guard cannot bound when it ends a session"
+        )));
+    }
+    let local = is_true(row, 3);
+    let silent_secs = timings.session_timeout_secs();
+    let settings: Vec<Setting> = session_settings(version, silent_secs)
+        .into_iter()
+        .filter(|s| !(local && s.tcp_only))
+        .collect();
+    let set: String = settings
+        .iter()
+        .map(|s| format!("SET {} = {}; ", s.name, s.value))
+        .collect();
+    query(&client, &set, bounded)
+        .await
+        .map_err(|f| target.failed("SET", f, bounded))?;
+    let names: Vec<String> = settings.iter().map(|s| format!("'{}'", s.name)).collect();
+    let read_back = format!(
+        "SELECT pg_backend_pid(), name, setting FROM pg_settings WHERE name IN ({})",
+        names.join(", ")
+    );
+    let rows = query(&client, &read_back, bounded)
+        .await
+        .map_err(|f| target.failed("the settings read-back", f, bounded))?;
+    for row in &rows {
+        same_backend(pid, number(row, 0))?;
+    }
+    for setting in &settings {
+        let kept = rows
+            .iter()
+            .find(|row| row.get(1).and_then(Option::as_deref) == Some(setting.name))
+            .and_then(|row| number::<u64>(row, 2));
+        if kept != Some(setting.value) {
+            let shown = kept.map_or_else(|| "unknown".to_owned(), |v| v.to_string());
+            return Err(LockError::Unsafe(format!(
+                "the server keeps {} at {shown} instead of {}, so it could end the session and free \
+                 the lock before the guard stops the app ({} = check-interval + check-timeout + \
+                 grace-period + margin {}s; a pooler in between?)",
+                setting.name,
+                setting.value,
+                if setting.value == 0 { "off" } else { "at least" },
+                silent_secs
+            )));
+        }
+    }
+    Ok(Session { client, pid })
+}
+
+/// A pooler in transaction or statement mode hands each statement to whichever backend is free.
+fn same_backend(pid: i32, now: Option<i32>) -> Result<(), LockError> {
+    if now == Some(pid) {
+        return Ok(());
+    }
+    let now = now.map_or_else(|| "unknown".to_owned(), |p| p.to_string());
+    Err(LockError::Unsafe(format!(
+        "the backend changed between two statements (pid {pid}, then {now}): a connection pooler in \
+         transaction or statement mode (PgBouncer, RDS Proxy, ...) is in between, and would drop or \
+         share the session's advisory lock; connect directly, or through a pooler in session mode"
+    )))
+}
+
+/// The statement that tries for the lock: at once, or waiting up to `chunk` on the server, which
+/// grants it the moment the holder releases it or its session ends.
+fn try_lock_sql(key: i64, chunk: Duration) -> String {
+    if chunk.is_zero() {
+        format!("SELECT pg_try_advisory_lock({key}), pg_backend_pid()")
+    } else {
+        format!(
+            "SET lock_timeout = {}; SELECT true, pg_backend_pid() FROM pg_advisory_lock({key})",
+            chunk.as_millis().max(1)
+        )
+    }
+}
+
+pub async fn acquire(
+    target: &PostgresTarget,
+    request: &LockRequest<'_>,
+) -> Result<Acquisition, LockError> {
+    let timings = request.timings;
+    let patience = request.patience;
+    let key = lock_key(request.name);
+    let app_name = application_name(&request.holder.id);
+    let mut session = open_session(target, timings, &app_name).await?;
+    let mut contention = Contention::new(request.metrics);
+    let mut backoff = Backoff::new();
+    loop {
+        // The first attempt does not wait, so a standby names the holder at once.
+        let chunk = if contention.log_due() {
+            Duration::ZERO
+        } else {
+            patience.cap(WAIT_CHUNK)
+        };
+        let sent = Deadline::now();
+        let budget = chunk + timings.check_timeout;
+        let got = query(&session.client, &try_lock_sql(key, chunk), budget).await;
+        let granted = match &got {
+            Ok(rows) => rows.first().is_some_and(|row| is_true(row, 0)),
+            Err(_) => false,
+        };
+        let error = match got {
+            // Granted, but read after a freeze: the server may have ended the silent session and
+            // granted the lock elsewhere since. Dropping the connection gives it back.
+            Ok(_) if granted && sent.elapsed() > budget => LockError::Unreachable(format!(
+                "{}: the lock was granted after {}, too late to rely on; the session is closed",
+                target.url,
+                humantime::format_duration(
+                    Duration::from_millis(sent.elapsed().as_millis() as u64)
+                )
+            )),
+            Ok(rows) if granted => {
+                same_backend(session.pid, rows.first().and_then(|row| number(row, 1)))?;
+                let token = prove(&session, target, request, key).await?;
+                info!(
+                    event = "lock_acquired",
+                    backend_pid = session.pid,
+                    key,
+                    fencing_token = token,
+                    session_timeout_secs = timings.session_timeout_secs(),
+                    "postgres lock acquired"
+                );
+                return Ok(Acquisition::Acquired(HeldLock::Postgres(
+                    PostgresLock::watch(session, target, request, token),
+                )));
+            }
+            Ok(_) if patience.exhausted() => {
+                let holder = describe_holder(&session.client, key, timings.check_timeout).await;
+                return Ok(contention.give_up(holder));
+            }
+            Ok(_) => {
+                if contention.log_due() {
+                    contention.waiting(
+                        &describe_holder(&session.client, key, timings.check_timeout).await,
+                    );
+                }
+                backoff.reset();
+                continue;
+            }
+            // The chunk's lock_timeout ran out with the lock still held elsewhere.
+            Err(Failure::Db(e)) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+                if patience.exhausted() {
+                    let holder = describe_holder(&session.client, key, timings.check_timeout).await;
+                    return Ok(contention.give_up(holder));
+                }
+                backoff.reset();
+                continue;
+            }
+            Err(failure) => target.failed("pg_advisory_lock", failure, budget),
+        };
+        // Fail closed at start; a standby whose own session failed reconnects with backoff.
+        session = reopen(error, patience, &mut backoff, || {
+            open_session(target, timings, &app_name)
+        })
+        .await?;
+    }
+}
+
+/// Proves, in a statement of its own, that the backend that was granted the lock is this session's
+/// and holds it (a transaction pooler fails this), and draws the fencing token: a transaction id,
+/// which the server hands out in increasing order, drawn while the lock is held, so every later
+/// holder's is larger. The statement carries the guard's identity for `pg_stat_activity`.
+async fn prove(
+    session: &Session,
+    target: &PostgresTarget,
+    request: &LockRequest<'_>,
+    key: i64,
+) -> Result<u64, LockError> {
+    let limit = request.timings.check_timeout;
+    let sql = format!(
+        "SET lock_timeout = 0; SELECT pg_backend_pid(), {held}, pg_current_xact_id() \
+         /* sentinel-guard {holder} */",
+        held = held_here(key),
+        holder = request.holder,
+    );
+    let sent = Deadline::now();
+    let rows = query(&session.client, &sql, limit)
+        .await
+        .map_err(|f| target.failed("the ownership proof", f, limit))?;
+    let row = rows.first().map(Vec::as_slice).unwrap_or_default();
+    same_backend(session.pid, number(row, 0))?;
+    if !is_true(row, 1) {
+        return Err(LockError::Unsafe(format!(
+            "the lock granted to backend {} is not in pg_locks: a pooler in between?",
+            session.pid
+        )));
+    }
+    if sent.elapsed() > limit {
+        return Err(LockError::Unreachable(format!(
+            "{}: the ownership proof answered too late to rely on; the session is closed",
+            target.url
+        )));
+    }
+    number(row, 2)
+        .ok_or_else(|| LockError::Unsafe(format!("pg_current_xact_id() returned {:?}", row.get(2))))
+}
+
+/// Who holds `name` now, without taking it.
+pub async fn status(
+    target: &PostgresTarget,
+    name: &LockName,
+    connect_limit: Duration,
+    answer: Duration,
+) -> Result<Option<HolderInfo>, LockError> {
+    let client = connect(target, "sentinel-guard status", connect_limit).await?;
+    let rows = query(&client, &holder_sql(lock_key(name)), answer)
+        .await
+        .map_err(|f| target.failed("the pg_locks query", f, answer))?;
+    Ok(rows.first().map(|row| describe(row)))
+}
+
+/// The holder of `key`: its backend, account, client and the guard identity its session shows.
+fn holder_sql(key: i64) -> String {
+    format!(
+        "SELECT l.pid, a.usename, COALESCE(host(a.client_addr), 'local'), a.application_name, a.query \
+         FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE {}",
+        lock_row(key)
+    )
+}
+
+fn describe(row: &[Option<String>]) -> HolderInfo {
+    let text = |i: usize| row.get(i).cloned().flatten().unwrap_or_default();
+    let info = HolderInfo::default()
+        .with("backend_pid", text(0))
+        .with("user", text(1))
+        .with("client", text(2));
+    // The full identity is in the last statement's comment, visible to the holder's own role (and
+    // to pg_read_all_stats); everyone sees its application_name.
+    match Holder::parse(&text(4)) {
+        Some(guard) => info.with_guard(Some(guard)),
+        None => match text(3).strip_prefix("sentinel-guard ") {
+            Some(id) => info.with("holder_id", id),
+            None => info.with("application_name", text(3)),
+        },
+    }
+}
+
+/// Says who holds `key`, as far as this account can see.
+async fn describe_holder(client: &Client, key: i64, limit: Duration) -> HolderInfo {
+    match query(client, &holder_sql(key), limit).await {
+        Ok(rows) => match rows.first() {
+            Some(row) => describe(row),
+            None => {
+                HolderInfo::default().with("holder", "unknown (released while being looked up)")
+            }
+        },
+        Err(_) => HolderInfo::default().with("holder", "unknown (the lookup failed)"),
+    }
+}
+
+/// `pg_terminate_backend` of the dead guard's backend, from a new session, if that backend still
+/// holds the lock and is the dead guard's (its `application_name` names the holder id; pids are
+/// reused). Run in the watchdog.
+pub fn end_session(farewell: &SessionFarewell) -> Result<String, String> {
+    let target = match Target::parse(farewell.url.expose(), "") {
+        Ok(Target::Postgres(target)) => target,
+        _ => return Err("not a postgres:// URL".to_owned()),
+    };
+    farewell.on_runtime(async {
+        let client = connect(&target, "sentinel-guard watchdog", farewell.timeout)
+            .await
+            .map_err(|e| e.to_string())?;
+        let pid = farewell.session_id;
+        let sql = format!(
+            "SELECT pg_terminate_backend(l.pid) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+             WHERE {} AND l.pid = {pid} AND a.application_name = '{}'",
+            lock_row(lock_key(
+                &LockName::parse(&farewell.name).map_err(|e| e.to_string())?
+            )),
+            application_name(&farewell.holder_id),
+        );
+        match query(&client, &sql, farewell.timeout).await {
+            Err(Failure::Timeout) => Err(format!(
+                "no answer within {}",
+                humantime::format_duration(farewell.timeout)
+            )),
+            Err(Failure::Db(e)) => Err(target.explain(e)),
+            Ok(rows) if rows.first().is_some_and(|row| is_true(row, 0)) => {
+                Ok(format!("ended backend {pid}"))
+            }
+            Ok(rows) if rows.is_empty() => Ok(format!(
+                "left backend {pid} alone: it no longer holds the dead guard's lock"
+            )),
+            Ok(_) => Err(format!("pg_terminate_backend({pid}) did not end it")),
+        }
+    })
+}
+
+/// A held advisory lock. A task owns the connection and keeps proving ownership until it is told to
+/// release or finds the lock gone.
+pub struct PostgresLock {
+    watched: WatchedLock,
+    farewell: Vec<u8>,
+    fencing_token: u64,
+}
+
+impl PostgresLock {
+    fn watch(
+        session: Session,
+        target: &PostgresTarget,
+        request: &LockRequest<'_>,
+        fencing_token: u64,
+    ) -> PostgresLock {
+        let key = lock_key(request.name);
+        let farewell = SessionFarewell {
+            server: Server::Postgres,
+            url: target.secret.clone(),
+            session_id: session.pid as u32,
+            name: request.name.as_str().to_owned(),
+            holder_id: request.holder.id.clone(),
+            timeout: request.timings.connect_timeout,
+        }
+        .encode();
+        let watcher = Watcher {
+            pid: session.pid,
+            key,
+            target: target.clone(),
+            cancel: session.client.cancel_token(),
+            check_sql: check_sql(request, key),
+            budget: request.timings.detection_bound(),
+            sleep: request.timings.check_interval,
+            grace: request.timings.grace_period,
+            checks: request.metrics.checks(),
+        };
+        let dead_by = Deadline::after(watcher.budget + watcher.grace);
+        PostgresLock {
+            watched: WatchedLock::spawn(dead_by, |ends| watcher.run(session.client, ends)),
+            farewell,
+            fencing_token,
+        }
+    }
+
+    pub fn farewell(&self) -> Farewell<'_> {
+        Farewell {
+            message: self.farewell.clone(),
+            keep: None,
+        }
+    }
+
+    pub fn fencing_token(&self) -> u64 {
+        self.fencing_token
+    }
+
+    pub async fn lost(&mut self) -> LockLoss {
+        self.watched.lost().await
+    }
+
+    pub fn reported_loss(&self) -> Option<LockLoss> {
+        self.watched.reported_loss()
+    }
+
+    pub async fn release(self) -> Result<(), LockError> {
+        self.watched.release().await
+    }
+
+    pub fn app_deadline(&self) -> tokio::sync::watch::Receiver<Deadline> {
+        self.watched.app_deadline()
+    }
+}
+
+/// The query that proves ownership: the sleep first (a function scan), then the lock test, so the
+/// answer says the lock was still this backend's when the sleep ended. The comment names the guard
+/// in `pg_stat_activity`.
+fn check_sql(request: &LockRequest<'_>, key: i64) -> String {
+    format!(
+        "SELECT pg_backend_pid(), {held} FROM pg_sleep({sleep:.3}) /* sentinel-guard {holder} */",
+        held = held_here(key),
+        sleep = request.timings.check_interval.as_secs_f64(),
+        holder = request.holder,
+    )
+}
+
+struct Watcher {
+    pid: i32,
+    key: i64,
+    target: PostgresTarget,
+    cancel: CancelToken,
+    check_sql: String,
+    /// check-interval (the server-side sleep) + check-timeout.
+    budget: Duration,
+    /// The server-side sleep alone: not counted as the check's duration.
+    sleep: Duration,
+    grace: Duration,
+    checks: Checks,
+}
+
+type CheckResult = Result<Rows, Failure>;
+
+enum Check {
+    Owned,
+    Lost(LockLoss),
+}
+
+impl Watcher {
+    async fn run(self, client: Client, mut ends: WatcherEnds) -> Result<(), LockError> {
+        loop {
+            // If this check is not answered in time, the guard stops the app within the grace period.
+            if !matches!(ends.release.try_recv(), Err(TryRecvError::Empty)) {
+                return self.release(client).await;
+            }
+            let sent = Deadline::now();
+            ends.app_dead_by(sent + self.budget + self.grace);
+            let (check, releasing) = {
+                let check = query(&client, &self.check_sql, self.budget);
+                tokio::pin!(check);
+                tokio::select! {
+                    biased;
+                    // An answer counts only if it came within the budget of being sent: a guard
+                    // frozen past it reads a true answer about a moment that no longer holds.
+                    result = &mut check => (self.judge(result, sent), false),
+                    _ = &mut ends.release => (self.judge(self.interrupt(check).await, sent), true),
+                }
+            };
+            // An interrupted check says nothing about how fast the server answers.
+            if !releasing {
+                let outcome = match &check {
+                    Check::Owned => CheckOutcome::Ok,
+                    Check::Lost(loss) if loss.reason == LossReason::CheckTimeout => {
+                        CheckOutcome::Timeout
+                    }
+                    Check::Lost(_) => CheckOutcome::Error,
+                };
+                self.checks
+                    .record(outcome, sent.elapsed().saturating_sub(self.sleep));
+            }
+            match (check, releasing) {
+                (Check::Owned, false) => continue,
+                // A cancelled check fails; release all the same, which logs how the session ended.
+                (_, true) => return self.release(client).await,
+                (Check::Lost(loss), false) => {
+                    let closed = loss.reason == LossReason::ConnectionClosed;
+                    ends.report(loss);
+                    if !closed {
+                        // Closing the session would free the lock on the server at once, while the
+                        // app may still be inside its grace period: the session stays open, unused,
+                        // until the guard is done with the lock (after teardown). The session
+                        // timeouts still bound how long the server keeps a silent one.
+                        let _ = (&mut ends.release).await;
+                    }
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    fn judge(&self, result: CheckResult, sent: Deadline) -> Check {
+        let lost = |reason, detail: String| Check::Lost(LockLoss { reason, detail });
+        let took = sent.elapsed();
+        let owned = |rows: &Rows| {
+            rows.first()
+                .is_some_and(|row| number(row, 0) == Some(self.pid) && is_true(row, 1))
+        };
+        match result {
+            Ok(rows) if owned(&rows) && took > self.budget => lost(
+                LossReason::CheckTimeout,
+                format!(
+                    "the check answered after {}, beyond its {} budget",
+                    humantime::format_duration(Duration::from_millis(took.as_millis() as u64)),
+                    humantime::format_duration(self.budget)
+                ),
+            ),
+            Ok(rows) if owned(&rows) => Check::Owned,
+            Ok(rows) => lost(
+                LossReason::NotOwner,
+                format!(
+                    "backend {} no longer holds key {} ({:?})",
+                    self.pid,
+                    self.key,
+                    rows.first()
+                ),
+            ),
+            Err(Failure::Timeout) => lost(
+                LossReason::CheckTimeout,
+                format!(
+                    "no answer within {}",
+                    humantime::format_duration(self.budget)
+                ),
+            ),
+            Err(Failure::Db(e)) => {
+                let reason = if session_ended(&e) {
+                    LossReason::ConnectionClosed
+                } else {
+                    LossReason::CheckFailed
+                };
+                lost(reason, self.target.explain(e))
+            }
+        }
+    }
+
+    /// Cancels the outstanding check's `pg_sleep` so a release is not delayed by up to a check
+    /// interval, and returns the check's result. The cancel request is repeated until the check
+    /// answers: the first one can reach the server before the check itself does. Best effort: if
+    /// a cancel request cannot be sent, the sleep simply runs out.
+    async fn interrupt<F>(&self, mut check: std::pin::Pin<&mut F>) -> CheckResult
+    where
+        F: std::future::Future<Output = CheckResult>,
+    {
+        let Ok(tls) = Tls::new(&self.target.tls) else {
+            return check.await;
+        };
+        loop {
+            match timeout(INTERRUPT_TIMEOUT, self.cancel.cancel_query(tls.clone())).await {
+                Ok(Ok(())) => {}
+                _ => {
+                    debug!(
+                        backend_pid = self.pid,
+                        "could not cancel the check sleep; waiting for it to end"
+                    );
+                    return check.await;
+                }
+            }
+            tokio::select! {
+                result = check.as_mut() => return result,
+                _ = tokio::time::sleep(INTERRUPT_RETRY) => {}
+            }
+        }
+    }
+
+    async fn release(&self, client: Client) -> Result<(), LockError> {
+        let sql = format!("SELECT pg_advisory_unlock({})", self.key);
+        match query(&client, &sql, self.budget).await {
+            Ok(rows) if rows.first().is_some_and(|row| is_true(row, 0)) => info!(
+                event = "lock_released",
+                backend_pid = self.pid,
+                "postgres lock released"
+            ),
+            Ok(rows) => warn!(
+                event = "release_failed",
+                backend_pid = self.pid,
+                result = ?rows.first(),
+                "pg_advisory_unlock did not confirm; closing the connection frees the lock"
+            ),
+            Err(Failure::Db(e)) => warn!(
+                event = "release_failed",
+                backend_pid = self.pid,
+                error = %self.target.explain(e),
+                "pg_advisory_unlock failed; closing the connection frees the lock"
+            ),
+            Err(Failure::Timeout) => warn!(
+                event = "release_failed",
+                backend_pid = self.pid,
+                "pg_advisory_unlock timed out; closing the connection frees the lock"
+            ),
+        }
+        // Dropping the client ends the session, which frees the lock even where the unlock failed.
+        drop(client);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_keys_are_the_documented_sha256_prefix() {
+        // SELECT ('x' || left(encode(sha256('sentinel-guard:billing'), 'hex'), 16))::bit(64)::bigint
+        let digest = Sha256::digest(b"sentinel-guard:billing");
+        let expected = i64::from_be_bytes(digest[..8].try_into().unwrap());
+        assert_eq!(lock_key(&LockName::parse("billing").unwrap()), expected);
+        assert_ne!(
+            lock_key(&LockName::parse("billing").unwrap()),
+            lock_key(&LockName::parse("billing2").unwrap())
+        );
+    }
+
+    #[test]
+    fn session_settings_cover_every_way_the_server_ends_a_session() {
+        let names = |v| {
+            session_settings(v, 18)
+                .into_iter()
+                .map(|s| s.name)
+                .collect::<Vec<_>>()
+        };
+        assert!(names(150_000).contains(&"idle_session_timeout"));
+        assert!(!names(160_000).contains(&"transaction_timeout"));
+        assert!(names(170_000).contains(&"transaction_timeout"));
+        let idle = session_settings(150_000, 18)
+            .into_iter()
+            .find(|s| s.name == "idle_session_timeout")
+            .unwrap();
+        assert_eq!(idle.value, 18_000);
+    }
+}

@@ -1,0 +1,401 @@
+//! The PostgreSQL backend against a private, real PostgreSQL server, with real faults.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::postgres::{Postgres, PASSWORD};
+use common::proxy::Proxy;
+use common::*;
+
+const SIGKILL: i32 = 9;
+const SIGSTOP: i32 = 19;
+const SIGCONT: i32 = 18;
+
+fn args<'a>(url: &'a str, name: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec!["--url", url, "--name", name];
+    v.extend(fast_with(extra));
+    v
+}
+
+#[test]
+fn second_instance_exits_1_names_the_holder_and_never_starts_its_app() {
+    let db = Postgres::start();
+    let mut lab = Lab::new();
+    let url = db.url();
+    let (trace, pidfile, env) = (lab.path("trace"), lab.path("pid"), lab.path("env"));
+    let app = format!(
+        "env > {env}; {}",
+        recording_app(&trace, &pidfile)[2],
+        env = env.display()
+    );
+    let mut first = lab.spawn(&args(&url, "billing", &[]), &["sh", "-c", &app]);
+    read_pid(&pidfile, Duration::from_secs(10));
+    let holder = db.holder_of("billing").expect("the lock is in pg_locks");
+    let shown = db.sql(&format!(
+        "SELECT application_name FROM pg_stat_activity WHERE pid = {holder}"
+    ));
+    assert!(shown.starts_with("sentinel-guard "), "{shown}");
+    let token = fs_line(&env, "SENTINEL_GUARD_FENCING_TOKEN=");
+    assert!(token.parse::<u64>().is_ok(), "fencing token {token:?}");
+    assert!(first.log_text().contains("key="), "{}", first.log_text());
+
+    let marker = lab.path("second-ran");
+    let (code, log) = lab.run(
+        &args(&url, "billing", &[]),
+        &["sh", "-c", &format!("touch {}", marker.display())],
+        Duration::from_secs(10),
+    );
+    assert_eq!(code, 1, "{log}");
+    assert!(!marker.exists(), "the second app must never start");
+    assert!(
+        log.contains(&format!("backend_pid={holder}")),
+        "holder not described: {log}"
+    );
+    assert!(
+        log.contains(&format!("pid={}", first.pid())),
+        "holder's guard not named: {log}"
+    );
+
+    first.signal(15);
+    assert_eq!(
+        first.code(Duration::from_secs(10)),
+        0,
+        "{}",
+        first.log_text()
+    );
+    assert_eq!(
+        db.holder_of("billing"),
+        None,
+        "lock released after the app ended"
+    );
+
+    // The next holder's fencing token is larger.
+    let (code, log) = lab.run(
+        &args(&url, "billing", &[]),
+        &["sh", "-c", &format!("env > {}", env.display())],
+        Duration::from_secs(10),
+    );
+    assert_eq!(code, 0, "{log}");
+    let next = fs_line(&env, "SENTINEL_GUARD_FENCING_TOKEN=");
+    assert!(next.parse::<u64>().unwrap() > token.parse::<u64>().unwrap());
+}
+
+/// The value of the line of `path` that starts with `prefix`.
+fn fs_line(path: &std::path::Path, prefix: &str) -> String {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .find_map(|line| line.strip_prefix(prefix))
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// Detection must not depend on --check-interval: with a 30s interval the outstanding `pg_sleep`
+/// ends with the session, and the app is asked to stop within `within` of the fault.
+fn assert_fault_stops_app_fast(
+    db: &mut Postgres,
+    name: &str,
+    within: Duration,
+    fault: impl FnOnce(&mut Postgres),
+) {
+    let mut lab = Lab::new();
+    let url = db.url();
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut guard = lab.spawn(
+        &args(&url, name, &["--check-interval", "30s"]),
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    let app = read_pid(&pidfile, Duration::from_secs(10));
+    // The outstanding check must be on the wire before the fault.
+    assert!(wait_until(Duration::from_secs(5), || {
+        db.sql(
+        "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%pg_sleep(30.000)%' AND state = 'active' AND pid <> pg_backend_pid()"
+    ) == "1"
+    }));
+
+    // From before the fault's own client starts: an upper bound on the detection time.
+    let faulted = Instant::now();
+    fault(db);
+    assert!(
+        wait_until(Duration::from_secs(5), || guard
+            .log_text()
+            .contains("event=\"stopping_app\"")),
+        "app not asked to stop within 5s of the fault; log:\n{}",
+        guard.log_text()
+    );
+    let detected = faulted.elapsed();
+    assert_eq!(
+        guard.code(Duration::from_secs(10)),
+        75,
+        "{}",
+        guard.log_text()
+    );
+    assert!(!alive(app));
+    assert!(trace_lines(&trace).contains(&format!("stop {app}")));
+    assert!(
+        guard.log_text().contains("reason=connection_closed"),
+        "{}",
+        guard.log_text()
+    );
+    eprintln!("{name}: app asked to stop {detected:?} after the fault");
+    assert!(
+        detected < within,
+        "{name}: detected only after {detected:?}"
+    );
+}
+
+#[test]
+fn pg_terminate_backend_stops_the_app_within_100ms_with_exit_75() {
+    let mut db = Postgres::start();
+    assert_fault_stops_app_fast(&mut db, "terminated", Duration::from_millis(100), |db| {
+        let pid = db.holder_of("terminated").expect("lock held");
+        assert_eq!(db.sql(&format!("SELECT pg_terminate_backend({pid})")), "t");
+    });
+}
+
+#[test]
+fn sigkilled_server_stops_the_app_with_exit_75_and_the_restarted_one_grants_the_lock() {
+    let mut db = Postgres::start();
+    assert_fault_stops_app_fast(&mut db, "server-death", Duration::from_secs(5), |db| {
+        db.restart()
+    });
+    let mut lab = Lab::new();
+    let (code, log) = lab.run(
+        &args(&db.url(), "server-death", &[]),
+        &["true"],
+        Duration::from_secs(10),
+    );
+    assert_eq!(code, 0, "{log}");
+}
+
+#[test]
+fn sigstopped_server_is_a_check_timeout() {
+    let mut db = Postgres::start();
+    let mut lab = Lab::new();
+    let url = db.url();
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut guard = lab.spawn(
+        &args(&url, "paused", &[]),
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    let app = read_pid(&pidfile, Duration::from_secs(10));
+    db.signal_all(SIGSTOP);
+    let code = guard.code(Duration::from_secs(10));
+    db.signal_all(SIGCONT);
+    assert_eq!(code, 75, "{}", guard.log_text());
+    assert!(
+        guard.log_text().contains("reason=check_timeout"),
+        "{}",
+        guard.log_text()
+    );
+    assert!(trace_lines(&trace).contains(&format!("stop {app}")));
+    db.kill9();
+}
+
+#[test]
+fn silent_partition_stops_the_app_before_the_server_frees_the_lock() {
+    let db = Postgres::start();
+    let proxy = Proxy::start(db.port);
+    let mut lab = Lab::new();
+    let proxied = db.url_with_port(proxy.port);
+    let direct = db.url();
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut guard = lab.spawn(
+        &args(&proxied, "partition", &[]),
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    let app = read_pid(&pidfile, Duration::from_secs(10));
+
+    let partitioned = Instant::now();
+    proxy.partition();
+    // While the first app lives, a guard that reaches the server directly must be refused.
+    while alive(app) {
+        let (code, log) = lab.run(
+            &args(&direct, "partition", &[]),
+            &["true"],
+            Duration::from_secs(10),
+        );
+        if alive(app) {
+            assert_eq!(
+                code, 1,
+                "a second guard acquired while the first app was alive: {log}"
+            );
+        }
+        assert!(
+            partitioned.elapsed() < Duration::from_secs(5),
+            "app not stopped within detection + grace"
+        );
+    }
+    let stopped = partitioned.elapsed();
+    assert!(
+        stopped < Duration::from_millis(2500),
+        "app stopped only after {stopped:?}"
+    );
+    assert_eq!(guard.code(Duration::from_secs(10)), 75);
+    assert!(
+        guard.log_text().contains("reason=check_timeout"),
+        "{}",
+        guard.log_text()
+    );
+
+    // idle_session_timeout = ceil(0.2 + 0.8 + 2 + 5) = 8s ends the silent session.
+    let freed = wait_until(Duration::from_secs(20), || {
+        db.holder_of("partition").is_none()
+    });
+    assert!(freed, "the server kept the lock of a partitioned guard");
+    let freed_after = partitioned.elapsed();
+    assert!(
+        freed_after >= Duration::from_secs(7),
+        "server freed the lock after only {freed_after:?}"
+    );
+}
+
+/// The server would notice the dead guard's session only when its 30s check `pg_sleep` ends; the
+/// watchdog ends the session once the app's group is gone, so a standby takes over at once.
+#[test]
+fn a_sigkilled_guards_lock_passes_to_the_standby_at_once_and_leaves_no_orphan() {
+    let db = Postgres::start();
+    let mut lab = Lab::new();
+    let url = db.url();
+    let trace = lab.path("trace");
+    let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
+    let mut leader = lab.spawn(
+        &args(&url, "orphaned", &["--check-interval", "30s"]),
+        &as_strs(&recording_app(&trace, &lead_pid)),
+    );
+    let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
+    let mut standby = waiting_standby(
+        &mut lab,
+        &args(&url, "orphaned", &[]),
+        &as_strs(&recording_app(&trace, &standby_pid)),
+    );
+    let lead_backend = db.holder_of("orphaned").expect("leader holds the lock");
+
+    let killed = Instant::now();
+    leader.signal(SIGKILL);
+    assert!(
+        wait_until(Duration::from_secs(5), || db
+            .holder_of("orphaned")
+            .is_some_and(|pid| pid != lead_backend)),
+        "the standby never got the lock: {}",
+        leader.log_text()
+    );
+    let handed_over = killed.elapsed();
+    leader.wait(Duration::from_secs(5));
+    read_pid(&standby_pid, Duration::from_secs(5));
+    assert!(!alive(lead_app), "the leader's app outlived its guard");
+    assert!(
+        wait_until(Duration::from_secs(5), || leader
+            .log_text()
+            .contains("event=\"watchdog_farewell\"")),
+        "{}",
+        leader.log_text()
+    );
+    eprintln!(
+        "lock passed to the standby {handed_over:?} after the SIGKILL\n{}",
+        leader.log_text()
+    );
+    assert!(
+        handed_over < Duration::from_millis(100),
+        "standby got the lock only {handed_over:?} after the SIGKILL"
+    );
+
+    standby.signal(15);
+    assert_eq!(standby.code(Duration::from_secs(10)), 0);
+    assert!(
+        !standby.log_text().contains("event=\"watchdog"),
+        "{}",
+        standby.log_text()
+    );
+}
+
+#[test]
+fn wrong_password_exits_69_and_never_prints_the_password() {
+    let db = Postgres::start();
+    let mut lab = Lab::new();
+    let wrong = "not-the-pw-9c1f";
+    let url = format!("postgres://guard:{wrong}@127.0.0.1:{}/postgres", db.port);
+    let (code, log) = lab.run(&args(&url, "auth", &[]), &["true"], Duration::from_secs(10));
+    assert_eq!(code, 69, "{log}");
+    assert!(log.contains("password authentication failed"), "{log}");
+    assert!(
+        !log.contains(wrong) && !log.contains(PASSWORD),
+        "password leaked: {log}"
+    );
+    assert!(log.contains("guard:***@"), "{log}");
+}
+
+#[test]
+fn hot_standby_is_refused_with_69() {
+    let primary = Postgres::start();
+    let replica = Postgres::standby_of(&primary);
+    let mut lab = Lab::new();
+    let marker = lab.path("ran");
+    let (code, log) = lab.run(
+        &args(&replica.url(), "replica", &[]),
+        &["touch", marker.to_str().unwrap()],
+        Duration::from_secs(10),
+    );
+    assert_eq!(code, 69, "{log}");
+    assert!(log.contains("hot standby"), "{log}");
+    assert!(!marker.exists());
+}
+
+#[test]
+fn status_prints_key_and_holder_as_text_and_json() {
+    let db = Postgres::start();
+    let mut lab = Lab::new();
+    let url = db.url();
+    let status = |format: &str| {
+        let out = std::process::Command::new(GUARD)
+            .args([
+                "status", "--url", &url, "--name", "reports", "--format", format,
+            ])
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let (code, free) = status("text");
+    assert_eq!(code, Some(3), "{free}");
+    assert!(
+        free.contains("backend=postgres") && free.contains("state=free"),
+        "{free}"
+    );
+    let key = free
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix("key="))
+        .expect("key printed")
+        .to_owned();
+    assert_eq!(
+        db.sql("SELECT ('x' || left(encode(sha256('sentinel-guard:reports'), 'hex'), 16))::bit(64)::int8"),
+        key,
+        "the documented key function"
+    );
+
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut guard = lab.spawn(
+        &args(&url, "reports", &[]),
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    read_pid(&pidfile, Duration::from_secs(10));
+    let backend = db.holder_of("reports").unwrap();
+    let (code, held) = status("text");
+    assert_eq!(code, Some(0), "{held}");
+    assert!(held.contains("state=held"), "{held}");
+    assert!(held.contains(&format!("backend_pid={backend}")), "{held}");
+    assert!(held.contains(&format!("pid={}", guard.pid())), "{held}");
+    assert!(!held.contains(PASSWORD), "{held}");
+    let (code, json) = status("json");
+    assert_eq!(code, Some(0), "{json}");
+    let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(value["backend"], "postgres");
+    assert_eq!(value["state"], "held");
+    assert_eq!(value["key"].to_string(), key);
+    assert_eq!(value["holder"]["backend_pid"], backend.to_string());
+    guard.signal(15);
+    assert_eq!(guard.code(Duration::from_secs(10)), 0);
+}
