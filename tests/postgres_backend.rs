@@ -4,7 +4,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::postgres::{Postgres, PASSWORD};
+use common::pooler::Pooler;
+use common::postgres::{Postgres, PASSWORD, POOLED};
 use common::proxy::Proxy;
 use common::*;
 
@@ -343,6 +344,32 @@ fn hot_standby_is_refused_with_69() {
 }
 
 #[test]
+fn a_transaction_pooler_is_refused_with_69_and_an_explanation() {
+    let db = Postgres::start();
+    let pooler = Pooler::start(db.port);
+    let mut lab = Lab::new();
+    let marker = lab.path("ran");
+    let url = format!("postgres://{POOLED}@127.0.0.1:{}/postgres", pooler.port);
+    let (code, log) = lab.run(
+        &args(&url, "pooled", &[]),
+        &["touch", marker.to_str().unwrap()],
+        Duration::from_secs(10),
+    );
+    assert_eq!(code, 69, "{log}");
+    assert!(log.contains("pooler in"), "{log}");
+    assert!(log.contains("session mode"), "{log}");
+    assert!(!marker.exists());
+    // The same role straight to the server is fine.
+    let direct = format!("postgres://{POOLED}@127.0.0.1:{}/postgres", db.port);
+    let (code, log) = lab.run(
+        &args(&direct, "pooled", &[]),
+        &["true"],
+        Duration::from_secs(10),
+    );
+    assert_eq!(code, 0, "{log}");
+}
+
+#[test]
 fn status_prints_key_and_holder_as_text_and_json() {
     let db = Postgres::start();
     let mut lab = Lab::new();
@@ -396,6 +423,41 @@ fn status_prints_key_and_holder_as_text_and_json() {
     assert_eq!(value["state"], "held");
     assert_eq!(value["key"].to_string(), key);
     assert_eq!(value["holder"]["backend_pid"], backend.to_string());
+    guard.signal(15);
+    assert_eq!(guard.code(Duration::from_secs(10)), 0);
+}
+
+#[test]
+fn metrics_carry_the_postgres_backend_label() {
+    let db = Postgres::start();
+    let mut lab = Lab::new();
+    let url = db.url();
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut guard = lab.spawn(
+        &args(&url, "metered", &["--metrics-addr", &addr]),
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    read_pid(&pidfile, Duration::from_secs(10));
+    let scrape = || {
+        ureq::get(&format!("http://{addr}/metrics"))
+            .call()
+            .ok()
+            .and_then(|mut r| r.body_mut().read_to_string().ok())
+            .unwrap_or_default()
+    };
+    let held = "sentinel_guard_lock_held{name=\"metered\",backend=\"postgres\"} 1";
+    let checked =
+        "sentinel_guard_checks_total{name=\"metered\",backend=\"postgres\",outcome=\"ok\"}";
+    let mut text = String::new();
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            text = scrape();
+            text.contains(held) && text.contains(checked)
+        }),
+        "{text}"
+    );
     guard.signal(15);
     assert_eq!(guard.code(Duration::from_secs(10)), 0);
 }

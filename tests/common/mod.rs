@@ -6,6 +6,7 @@ pub mod endpoints;
 pub mod etcd;
 pub mod freeze;
 pub mod mariadb;
+pub mod pooler;
 pub mod postgres;
 pub mod procs;
 pub mod proxy;
@@ -472,6 +473,7 @@ pub fn assert_no_overlap(trace: &Path) -> usize {
 /// A lock backend under test: a private server, or a file.
 pub enum Backend {
     Mysql(mariadb::MariaDb),
+    Postgres(postgres::Postgres),
     Redis(redis::Redis),
     File(Lab),
 }
@@ -480,6 +482,7 @@ impl Backend {
     pub fn all() -> Vec<Backend> {
         vec![
             Backend::Mysql(mariadb::MariaDb::start()),
+            Backend::Postgres(postgres::Postgres::start()),
             Backend::Redis(redis::Redis::start()),
             Backend::File(Lab::new()),
         ]
@@ -488,6 +491,7 @@ impl Backend {
     pub fn url(&self) -> String {
         match self {
             Backend::Mysql(db) => db.url(),
+            Backend::Postgres(db) => db.url(),
             Backend::Redis(redis) => redis.url(),
             Backend::File(lab) => lab.file_url("backend.lock"),
         }
@@ -496,6 +500,7 @@ impl Backend {
     pub fn name(&self) -> &'static str {
         match self {
             Backend::Mysql(_) => "mysql",
+            Backend::Postgres(_) => "postgres",
             Backend::Redis(_) => "redis",
             Backend::File(_) => "file",
         }

@@ -13,6 +13,8 @@ use super::{free_port, procs, wait_until, TempDir};
 
 pub const USER: &str = "guard";
 pub const PASSWORD: &str = "guard-secret-pw-0d5e";
+/// A role that logs in over TCP without a password, as the test pooler needs.
+pub const POOLED: &str = "pooled";
 /// The server's superuser, reached over the private Unix socket without a password.
 const ADMIN: &str = "postgres";
 
@@ -81,7 +83,7 @@ fn template() -> &'static Path {
     static TEMPLATE: OnceLock<PathBuf> = OnceLock::new();
     TEMPLATE.get_or_init(|| {
         let root = Path::new(env!("CARGO_TARGET_TMPDIR"));
-        let ready = root.join("postgres-template");
+        let ready = root.join("postgres-template-2");
         if ready.join("PG_VERSION").is_file() {
             return ready;
         }
@@ -108,6 +110,15 @@ fn template() -> &'static Path {
             "initdb failed: {}",
             String::from_utf8_lossy(&output.stderr)
         );
+        // The role behind the test's transaction pooler (tests/common/pooler.rs) logs in without
+        // a password; first, as pg_hba.conf's first matching line wins.
+        let hba = staging.join("pg_hba.conf");
+        let rules = fs::read_to_string(&hba).unwrap();
+        fs::write(
+            &hba,
+            format!("host all {POOLED} 127.0.0.1/32 trust\n{rules}"),
+        )
+        .unwrap();
         // Another test process may have won the race; either copy is as good.
         if fs::rename(&staging, &ready).is_err() {
             let _ = fs::remove_dir_all(&staging);
@@ -139,7 +150,9 @@ impl Postgres {
             process: None,
         };
         server.boot();
-        server.sql(&format!("CREATE ROLE {USER} LOGIN PASSWORD '{PASSWORD}'"));
+        server.sql(&format!(
+            "CREATE ROLE {USER} LOGIN PASSWORD '{PASSWORD}'; CREATE ROLE {POOLED} LOGIN"
+        ));
         server
     }
 
