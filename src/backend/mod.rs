@@ -151,6 +151,19 @@ impl Contention<'_> {
             .is_none_or(|at| at.elapsed() >= WAIT_LOG_EVERY)
     }
 
+    /// How long the next server-side wait for the lock (MySQL `GET_LOCK`, PostgreSQL
+    /// `pg_advisory_lock`) may last: none while the "still waiting" line is due, so a standby names
+    /// the holder at once; else a chunk of at most 2s, so patience and the session's health are
+    /// re-checked regularly. The server grants a waiter the lock the moment it is free.
+    pub fn next_wait(&self, patience: Patience) -> Duration {
+        const CHUNK: Duration = Duration::from_secs(2);
+        if self.log_due() {
+            Duration::ZERO
+        } else {
+            patience.cap(CHUNK)
+        }
+    }
+
     pub fn waiting(&mut self, holder: &HolderInfo) {
         self.count();
         self.last_log = Some(Instant::now());
@@ -274,8 +287,8 @@ pub fn lock_key(target: &Target, name: &LockName) -> Option<i64> {
 }
 
 pub enum HeldLock {
-    Mysql(mysql::MysqlLock),
-    Postgres(postgres::PostgresLock),
+    Mysql(watched::SessionLock),
+    Postgres(watched::SessionLock),
     Redis(redis::RedisLock),
     File(file::FileLock),
 }
@@ -295,8 +308,7 @@ impl HeldLock {
     /// file lock: the kernel keeps a frozen guard's flock, so no one else can take it meanwhile.
     pub fn app_deadline(&self) -> Option<tokio::sync::watch::Receiver<Deadline>> {
         match self {
-            HeldLock::Mysql(lock) => Some(lock.app_deadline()),
-            HeldLock::Postgres(lock) => Some(lock.app_deadline()),
+            HeldLock::Mysql(lock) | HeldLock::Postgres(lock) => Some(lock.app_deadline()),
             HeldLock::Redis(lock) => Some(lock.app_deadline()),
             HeldLock::File(_) => None,
         }
@@ -309,8 +321,7 @@ impl HeldLock {
     /// descriptor until then). A Redis lease needs nothing: it expires on the server's schedule.
     pub fn farewell(&self) -> Farewell<'_> {
         match self {
-            HeldLock::Mysql(lock) => lock.farewell(),
-            HeldLock::Postgres(lock) => lock.farewell(),
+            HeldLock::Mysql(lock) | HeldLock::Postgres(lock) => lock.farewell(),
             HeldLock::File(lock) => lock.farewell(),
             HeldLock::Redis(_) => Farewell::none(),
         }
@@ -323,11 +334,12 @@ impl HeldLock {
                 "SENTINEL_GUARD_FENCING_TOKEN",
                 lock.fencing_token().to_string(),
             )],
-            HeldLock::Postgres(lock) => vec![(
-                "SENTINEL_GUARD_FENCING_TOKEN",
-                lock.fencing_token().to_string(),
-            )],
-            HeldLock::Mysql(_) | HeldLock::File(_) => Vec::new(),
+            HeldLock::Mysql(lock) | HeldLock::Postgres(lock) => lock
+                .fencing_token()
+                .map(|token| ("SENTINEL_GUARD_FENCING_TOKEN", token.to_string()))
+                .into_iter()
+                .collect(),
+            HeldLock::File(_) => Vec::new(),
         }
     }
 
@@ -335,8 +347,7 @@ impl HeldLock {
     /// is started, so it never starts on a lock that is gone, nor on one whose deadline has passed.
     pub fn known_lost(&self) -> Option<LockLoss> {
         let reported = match self {
-            HeldLock::Mysql(lock) => lock.reported_loss(),
-            HeldLock::Postgres(lock) => lock.reported_loss(),
+            HeldLock::Mysql(lock) | HeldLock::Postgres(lock) => lock.reported_loss(),
             HeldLock::Redis(lock) => lock.reported_loss(),
             HeldLock::File(_) => None,
         };
@@ -352,8 +363,7 @@ impl HeldLock {
     /// Resolves once the lock is no longer ours. Cancel-safe: may be polled again after a drop.
     pub async fn lost(&mut self) -> LockLoss {
         match self {
-            HeldLock::Mysql(lock) => lock.lost().await,
-            HeldLock::Postgres(lock) => lock.lost().await,
+            HeldLock::Mysql(lock) | HeldLock::Postgres(lock) => lock.lost().await,
             HeldLock::Redis(lock) => lock.lost().await,
             HeldLock::File(lock) => lock.lost().await,
         }
@@ -372,8 +382,7 @@ impl HeldLock {
 
     async fn give_back(self) -> Result<(), LockError> {
         match self {
-            HeldLock::Mysql(lock) => lock.release().await,
-            HeldLock::Postgres(lock) => lock.release().await,
+            HeldLock::Mysql(lock) | HeldLock::Postgres(lock) => lock.release().await,
             HeldLock::Redis(lock) => lock.release().await,
             HeldLock::File(lock) => lock.release(),
         }

@@ -6,32 +6,27 @@
 //! - between ownership checks a server-side `SLEEP` is always outstanding, so a `KILL` of the connection
 //!   or a dead server is seen the instant the socket closes, not at the next check.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, OptsBuilder};
-use tokio::sync::oneshot::error::TryRecvError;
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
 use super::farewell::{Server, SessionFarewell};
-use super::watched::{WatchedLock, WatcherEnds};
+use super::watched::{CheckTiming, SessionLock, SessionWatcher, Verdict};
 use super::{
-    reopen, Acquisition, Backoff, Contention, HeldLock, HolderInfo, LockError, LockLoss,
-    LockRequest, LossReason,
+    reopen, Acquisition, Backoff, Contention, HeldLock, HolderInfo, LockError, LockRequest,
 };
 use crate::config::{LockName, MysqlTarget, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
-use crate::metrics::{CheckOutcome, Checks};
-use crate::supervisor::watchdog::Farewell;
 
 /// Server error codes that mean the server ended our session rather than refused one statement.
 const ER_SERVER_SHUTDOWN: u16 = 1053;
 const ER_CONNECTION_KILLED: u16 = 1927;
-/// The longest single server-side wait of a standby, so patience and the session's health are
-/// re-checked regularly.
-const WAIT_CHUNK: Duration = Duration::from_secs(2);
 /// How often the side connection repeats `KILL QUERY` until the check answers.
 const INTERRUPT_RETRY: Duration = Duration::from_millis(20);
 /// How long the guard waits for a side connection that interrupts its own `SLEEP` at release.
@@ -136,14 +131,7 @@ pub async fn acquire(
     let mut contention = Contention::new(request.metrics);
     let mut backoff = Backoff::new();
     loop {
-        // The server queues waiters: GET_LOCK returns the moment the holder releases or its session
-        // ends. Waiting in chunks re-checks patience and notices a silent server. The first attempt
-        // does not wait, so a standby names the holder at once.
-        let chunk = if contention.log_due() {
-            Duration::ZERO
-        } else {
-            patience.cap(WAIT_CHUNK)
-        };
+        let chunk = contention.next_wait(patience);
         let sent = Deadline::now();
         let budget = chunk + timings.check_timeout;
         let got = timeout(
@@ -172,7 +160,7 @@ pub async fn acquire(
                     server_version = %version(&conn),
                     "mysql lock acquired"
                 );
-                return Ok(Acquisition::Acquired(HeldLock::Mysql(MysqlLock::watch(
+                return Ok(Acquisition::Acquired(HeldLock::Mysql(watch(
                     conn, target, request,
                 ))));
             }
@@ -319,13 +307,6 @@ async fn describe_connection(conn: &mut Conn, id: u64, limit: Duration) -> Holde
     }
 }
 
-/// A held `GET_LOCK`. A task owns the connection and keeps proving ownership until it is told to
-/// release or finds the lock gone.
-pub struct MysqlLock {
-    watched: WatchedLock,
-    farewell: Vec<u8>,
-}
-
 /// `KILL CONNECTION` of the dead guard's session, from a new session, if that session still holds
 /// the lock and runs the dead guard's check (see `SessionFarewell`). Run in the watchdog.
 pub fn end_session(farewell: &SessionFarewell) -> Result<String, String> {
@@ -398,56 +379,26 @@ async fn end_on(
 /// MariaDB's "Unknown thread id": the session had already ended.
 const ER_NO_SUCH_THREAD: u16 = 1094;
 
-impl MysqlLock {
-    fn watch(conn: Conn, target: &MysqlTarget, request: &LockRequest<'_>) -> MysqlLock {
-        let farewell = SessionFarewell {
-            server: Server::Mysql,
-            url: target.secret.clone(),
-            session_id: conn.id(),
-            name: request.name.as_str().to_owned(),
-            holder_id: request.holder.id.clone(),
-            timeout: request.timings.connect_timeout,
-        }
-        .encode();
-        let watcher = Watcher {
-            conn_id: conn.id(),
-            target: target.clone(),
-            check_sql: check_sql(request),
-            release_sql: format!("SELECT RELEASE_LOCK('{}')", request.name.as_str()),
-            budget: request.timings.detection_bound(),
-            sleep: request.timings.check_interval,
-            grace: request.timings.grace_period,
-            checks: request.metrics.checks(),
-        };
-        let dead_by = Deadline::after(watcher.budget + watcher.grace);
-        MysqlLock {
-            watched: WatchedLock::spawn(dead_by, |ends| watcher.run(conn, ends)),
-            farewell,
-        }
+/// A held `GET_LOCK`: a task owns the connection and keeps proving ownership until it is told to
+/// release or finds the lock gone.
+fn watch(conn: Conn, target: &MysqlTarget, request: &LockRequest<'_>) -> SessionLock {
+    let farewell = SessionFarewell {
+        server: Server::Mysql,
+        url: target.secret.clone(),
+        session_id: conn.id(),
+        name: request.name.as_str().to_owned(),
+        holder_id: request.holder.id.clone(),
+        timeout: request.timings.connect_timeout,
     }
-
-    pub fn farewell(&self) -> Farewell<'_> {
-        Farewell {
-            message: self.farewell.clone(),
-            keep: None,
-        }
-    }
-
-    pub async fn lost(&mut self) -> LockLoss {
-        self.watched.lost().await
-    }
-
-    pub fn reported_loss(&self) -> Option<LockLoss> {
-        self.watched.reported_loss()
-    }
-
-    pub async fn release(self) -> Result<(), LockError> {
-        self.watched.release().await
-    }
-
-    pub fn app_deadline(&self) -> tokio::sync::watch::Receiver<Deadline> {
-        self.watched.app_deadline()
-    }
+    .encode();
+    let watcher = Watcher {
+        conn_id: conn.id(),
+        target: target.clone(),
+        check_sql: check_sql(request),
+        release_sql: format!("SELECT RELEASE_LOCK('{}')", request.name.as_str()),
+        timing: CheckTiming::of(request),
+    };
+    SessionLock::spawn(watcher, conn, farewell, None)
 }
 
 /// The query that proves ownership; the comment lets a refused instance name this guard from the
@@ -466,12 +417,7 @@ struct Watcher {
     target: MysqlTarget,
     check_sql: String,
     release_sql: String,
-    /// check-interval (the server-side sleep) + check-timeout.
-    budget: Duration,
-    /// The server-side sleep alone: not counted as the check's duration.
-    sleep: Duration,
-    grace: Duration,
-    checks: Checks,
+    timing: CheckTiming,
 }
 
 /// The row of `check_sql`, or why there is none.
@@ -480,95 +426,29 @@ type CheckResult = Result<
     tokio::time::error::Elapsed,
 >;
 
-enum Check {
-    Owned,
-    Lost(LockLoss),
-}
+impl SessionWatcher for Watcher {
+    type Conn = Conn;
+    type Answer = CheckResult;
 
-impl Watcher {
-    async fn run(self, mut conn: Conn, mut ends: WatcherEnds) -> Result<(), LockError> {
-        loop {
-            // If this check is not answered in time, the guard stops the app within the grace period.
-            // A release asked for between checks needs no sleep interrupted.
-            if !matches!(ends.release.try_recv(), Err(TryRecvError::Empty)) {
-                return self.release(conn).await;
-            }
-            let sent = Deadline::now();
-            ends.app_dead_by(sent + self.budget + self.grace);
-            let (check, releasing) = {
-                let check = timeout(
-                    self.budget,
-                    conn.query_first::<(Option<i64>, Option<i64>), _>(&self.check_sql),
-                );
-                tokio::pin!(check);
-                tokio::select! {
-                    biased;
-                    // An answer counts only if it came within the budget of being sent: a guard
-                    // frozen past it reads a true answer about a moment that no longer holds.
-                    result = &mut check => (self.judge(result, sent), false),
-                    _ = &mut ends.release => (self.judge(self.interrupt(check).await, sent), true),
-                }
-            };
-            // An interrupted check says nothing about how fast the server answers.
-            if !releasing {
-                let outcome = match &check {
-                    Check::Owned => CheckOutcome::Ok,
-                    Check::Lost(loss) if loss.reason == LossReason::CheckTimeout => {
-                        CheckOutcome::Timeout
-                    }
-                    Check::Lost(_) => CheckOutcome::Error,
-                };
-                self.checks
-                    .record(outcome, sent.elapsed().saturating_sub(self.sleep));
-            }
-            match (check, releasing) {
-                (Check::Owned, false) => continue,
-                // Interrupting the check can fail it (the KILL QUERY may land on the check itself
-                // rather than its SLEEP); release all the same, which logs how the session ended.
-                (_, true) => return self.release(conn).await,
-                (Check::Lost(loss), false) => {
-                    let closed = loss.reason == LossReason::ConnectionClosed;
-                    ends.report(loss);
-                    if !closed {
-                        // Closing the session would free the lock on the server at once, while the
-                        // app may still be inside its grace period: the session stays open, unused,
-                        // until the guard is done with the lock (after teardown). The server's
-                        // wait_timeout still bounds how long it keeps a silent one.
-                        let _ = (&mut ends.release).await;
-                    }
-                    return Ok(());
-                }
-            }
-        }
+    fn timing(&self) -> &CheckTiming {
+        &self.timing
     }
 
-    fn judge(&self, result: CheckResult, sent: Deadline) -> Check {
-        let lost = |reason, detail: String| Check::Lost(LockLoss { reason, detail });
-        let took = sent.elapsed();
-        match result {
-            Ok(Ok(Some((_, Some(1))))) if took > self.budget => lost(
-                LossReason::CheckTimeout,
-                format!(
-                    "the check answered after {}, beyond its {} budget",
-                    humantime::format_duration(Duration::from_millis(took.as_millis() as u64)),
-                    humantime::format_duration(self.budget)
-                ),
-            ),
-            Ok(Ok(Some((_, Some(1))))) => Check::Owned,
-            Ok(Ok(row)) => lost(
-                LossReason::NotOwner,
-                format!(
-                    "IS_USED_LOCK no longer names connection {} ({row:?})",
-                    self.conn_id
-                ),
-            ),
-            Err(_) => lost(
-                LossReason::CheckTimeout,
-                format!(
-                    "no answer within {}",
-                    humantime::format_duration(self.budget)
-                ),
-            ),
+    fn check<'a>(&'a self, conn: &'a mut Conn) -> impl Future<Output = CheckResult> + Send + 'a {
+        timeout(
+            self.timing.budget,
+            conn.query_first::<(Option<i64>, Option<i64>), _>(&self.check_sql),
+        )
+    }
+
+    fn verdict(&self, answer: CheckResult) -> Verdict {
+        match answer {
+            Ok(Ok(Some((_, Some(1))))) => Verdict::Owned,
+            Ok(Ok(row)) => Verdict::NotOwner(format!(
+                "IS_USED_LOCK no longer names connection {} ({row:?})",
+                self.conn_id
+            )),
+            Err(_) => Verdict::NoAnswer,
             Ok(Err(e)) => {
                 let closed = match &e {
                     mysql_async::Error::Server(s) => {
@@ -577,23 +457,22 @@ impl Watcher {
                     mysql_async::Error::Io(_) | mysql_async::Error::Driver(_) => true,
                     _ => false,
                 };
-                let reason = if closed {
-                    LossReason::ConnectionClosed
+                let detail = self.target.url.scrub(e);
+                if closed {
+                    Verdict::Closed(detail)
                 } else {
-                    LossReason::CheckFailed
-                };
-                lost(reason, self.target.url.scrub(e))
+                    Verdict::Failed(detail)
+                }
             }
         }
     }
 
-    /// Ends the outstanding check's `SLEEP` from a side connection so a release is not delayed by up
-    /// to a check interval, and returns the check's result. `KILL QUERY` is repeated until the check
-    /// answers: the first one can reach the server before the check itself does. Best effort: without
-    /// a side connection the sleep simply runs out.
-    async fn interrupt<F>(&self, mut check: std::pin::Pin<&mut F>) -> CheckResult
+    /// `KILL QUERY` from a side connection, repeated until the check answers: the first one can
+    /// reach the server before the check itself does. Without a side connection the sleep simply
+    /// runs out.
+    async fn interrupt<'a, F>(&'a self, mut check: Pin<&'a mut F>) -> CheckResult
     where
-        F: std::future::Future<Output = CheckResult>,
+        F: Future<Output = CheckResult> + Send + 'a,
     {
         let Ok(mut side) = connect(&self.target, INTERRUPT_TIMEOUT).await else {
             debug!(
@@ -614,9 +493,15 @@ impl Watcher {
         result
     }
 
-    async fn release(&self, mut conn: Conn) -> Result<(), LockError> {
+    fn release(&self, conn: Conn) -> impl Future<Output = Result<(), LockError>> + Send + '_ {
+        self.give_back(conn)
+    }
+}
+
+impl Watcher {
+    async fn give_back(&self, mut conn: Conn) -> Result<(), LockError> {
         let released = timeout(
-            self.budget,
+            self.timing.budget,
             conn.query_first::<Option<i64>, _>(&self.release_sql),
         )
         .await;
@@ -645,7 +530,7 @@ impl Watcher {
             ),
         }
         // Closing the session frees the lock on the server even where RELEASE_LOCK failed.
-        let _ = timeout(self.budget, conn.disconnect()).await;
+        let _ = timeout(self.timing.budget, conn.disconnect()).await;
         Ok(())
     }
 }

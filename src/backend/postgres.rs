@@ -16,32 +16,27 @@
 
 mod tls;
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use tokio::sync::oneshot::error::TryRecvError;
 use tokio::time::timeout;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{CancelToken, Client, SimpleQueryMessage};
 use tracing::{debug, info, warn};
 
 use super::farewell::{Server, SessionFarewell};
-use super::watched::{WatchedLock, WatcherEnds};
+use super::watched::{CheckTiming, SessionLock, SessionWatcher, Verdict};
 use super::{
-    reopen, Acquisition, Backoff, Contention, HeldLock, HolderInfo, LockError, LockLoss,
-    LockRequest, LossReason,
+    reopen, Acquisition, Backoff, Contention, HeldLock, HolderInfo, LockError, LockRequest,
 };
 use crate::config::{LockName, PostgresTarget, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
-use crate::metrics::{CheckOutcome, Checks};
-use crate::supervisor::watchdog::Farewell;
 
 pub use tls::Tls;
 
-/// The longest single server-side wait of a standby, so patience and the session's health are
-/// re-checked regularly.
-const WAIT_CHUNK: Duration = Duration::from_secs(2);
 /// How often a cancel request is repeated until the check answers.
 const INTERRUPT_RETRY: Duration = Duration::from_millis(20);
 /// How long the guard waits for a cancel request that interrupts its own `pg_sleep` at release.
@@ -371,12 +366,7 @@ pub async fn acquire(
     let mut contention = Contention::new(request.metrics);
     let mut backoff = Backoff::new();
     loop {
-        // The first attempt does not wait, so a standby names the holder at once.
-        let chunk = if contention.log_due() {
-            Duration::ZERO
-        } else {
-            patience.cap(WAIT_CHUNK)
-        };
+        let chunk = contention.next_wait(patience);
         let sent = Deadline::now();
         let budget = chunk + timings.check_timeout;
         let got = query(&session.client, &try_lock_sql(key, chunk), budget).await;
@@ -405,9 +395,9 @@ pub async fn acquire(
                     session_timeout_secs = timings.session_timeout_secs(),
                     "postgres lock acquired"
                 );
-                return Ok(Acquisition::Acquired(HeldLock::Postgres(
-                    PostgresLock::watch(session, target, request, token),
-                )));
+                return Ok(Acquisition::Acquired(HeldLock::Postgres(watch(
+                    session, target, request, token,
+                ))));
             }
             Ok(_) if patience.exhausted() => {
                 let holder = describe_holder(&session.client, key, timings.check_timeout).await;
@@ -571,76 +561,33 @@ pub fn end_session(farewell: &SessionFarewell) -> Result<String, String> {
     })
 }
 
-/// A held advisory lock. A task owns the connection and keeps proving ownership until it is told to
-/// release or finds the lock gone.
-pub struct PostgresLock {
-    watched: WatchedLock,
-    farewell: Vec<u8>,
+/// A held advisory lock: a task owns the connection and keeps proving ownership until it is told
+/// to release or finds the lock gone.
+fn watch(
+    session: Session,
+    target: &PostgresTarget,
+    request: &LockRequest<'_>,
     fencing_token: u64,
-}
-
-impl PostgresLock {
-    fn watch(
-        session: Session,
-        target: &PostgresTarget,
-        request: &LockRequest<'_>,
-        fencing_token: u64,
-    ) -> PostgresLock {
-        let key = lock_key(request.name);
-        let farewell = SessionFarewell {
-            server: Server::Postgres,
-            url: target.secret.clone(),
-            session_id: session.pid as u32,
-            name: request.name.as_str().to_owned(),
-            holder_id: request.holder.id.clone(),
-            timeout: request.timings.connect_timeout,
-        }
-        .encode();
-        let watcher = Watcher {
-            pid: session.pid,
-            key,
-            target: target.clone(),
-            cancel: session.client.cancel_token(),
-            check_sql: check_sql(request, key),
-            budget: request.timings.detection_bound(),
-            sleep: request.timings.check_interval,
-            grace: request.timings.grace_period,
-            checks: request.metrics.checks(),
-        };
-        let dead_by = Deadline::after(watcher.budget + watcher.grace);
-        PostgresLock {
-            watched: WatchedLock::spawn(dead_by, |ends| watcher.run(session.client, ends)),
-            farewell,
-            fencing_token,
-        }
+) -> SessionLock {
+    let key = lock_key(request.name);
+    let farewell = SessionFarewell {
+        server: Server::Postgres,
+        url: target.secret.clone(),
+        session_id: session.pid as u32,
+        name: request.name.as_str().to_owned(),
+        holder_id: request.holder.id.clone(),
+        timeout: request.timings.connect_timeout,
     }
-
-    pub fn farewell(&self) -> Farewell<'_> {
-        Farewell {
-            message: self.farewell.clone(),
-            keep: None,
-        }
-    }
-
-    pub fn fencing_token(&self) -> u64 {
-        self.fencing_token
-    }
-
-    pub async fn lost(&mut self) -> LockLoss {
-        self.watched.lost().await
-    }
-
-    pub fn reported_loss(&self) -> Option<LockLoss> {
-        self.watched.reported_loss()
-    }
-
-    pub async fn release(self) -> Result<(), LockError> {
-        self.watched.release().await
-    }
-
-    pub fn app_deadline(&self) -> tokio::sync::watch::Receiver<Deadline> {
-        self.watched.app_deadline()
-    }
+    .encode();
+    let watcher = Watcher {
+        pid: session.pid,
+        key,
+        target: target.clone(),
+        cancel: session.client.cancel_token(),
+        check_sql: check_sql(request, key),
+        timing: CheckTiming::of(request),
+    };
+    SessionLock::spawn(watcher, session.client, farewell, Some(fencing_token))
 }
 
 /// The query that proves ownership: the sleep first (a function scan), then the lock test, so the
@@ -661,138 +608,65 @@ struct Watcher {
     target: PostgresTarget,
     cancel: CancelToken,
     check_sql: String,
-    /// check-interval (the server-side sleep) + check-timeout.
-    budget: Duration,
-    /// The server-side sleep alone: not counted as the check's duration.
-    sleep: Duration,
-    grace: Duration,
-    checks: Checks,
+    timing: CheckTiming,
 }
 
 type CheckResult = Result<Rows, Failure>;
 
-enum Check {
-    Owned,
-    Lost(LockLoss),
-}
+impl SessionWatcher for Watcher {
+    type Conn = Client;
+    type Answer = CheckResult;
 
-impl Watcher {
-    async fn run(self, client: Client, mut ends: WatcherEnds) -> Result<(), LockError> {
-        loop {
-            // If this check is not answered in time, the guard stops the app within the grace period.
-            if !matches!(ends.release.try_recv(), Err(TryRecvError::Empty)) {
-                return self.release(client).await;
+    fn timing(&self) -> &CheckTiming {
+        &self.timing
+    }
+
+    fn check<'a>(
+        &'a self,
+        client: &'a mut Client,
+    ) -> impl Future<Output = CheckResult> + Send + 'a {
+        query(client, &self.check_sql, self.timing.budget)
+    }
+
+    fn verdict(&self, answer: CheckResult) -> Verdict {
+        match answer {
+            Ok(rows)
+                if rows
+                    .first()
+                    .is_some_and(|row| number(row, 0) == Some(self.pid) && is_true(row, 1)) =>
+            {
+                Verdict::Owned
             }
-            let sent = Deadline::now();
-            ends.app_dead_by(sent + self.budget + self.grace);
-            let (check, releasing) = {
-                let check = query(&client, &self.check_sql, self.budget);
-                tokio::pin!(check);
-                tokio::select! {
-                    biased;
-                    // An answer counts only if it came within the budget of being sent: a guard
-                    // frozen past it reads a true answer about a moment that no longer holds.
-                    result = &mut check => (self.judge(result, sent), false),
-                    _ = &mut ends.release => (self.judge(self.interrupt(check).await, sent), true),
-                }
-            };
-            // An interrupted check says nothing about how fast the server answers.
-            if !releasing {
-                let outcome = match &check {
-                    Check::Owned => CheckOutcome::Ok,
-                    Check::Lost(loss) if loss.reason == LossReason::CheckTimeout => {
-                        CheckOutcome::Timeout
-                    }
-                    Check::Lost(_) => CheckOutcome::Error,
-                };
-                self.checks
-                    .record(outcome, sent.elapsed().saturating_sub(self.sleep));
-            }
-            match (check, releasing) {
-                (Check::Owned, false) => continue,
-                // A cancelled check fails; release all the same, which logs how the session ended.
-                (_, true) => return self.release(client).await,
-                (Check::Lost(loss), false) => {
-                    let closed = loss.reason == LossReason::ConnectionClosed;
-                    ends.report(loss);
-                    if !closed {
-                        // Closing the session would free the lock on the server at once, while the
-                        // app may still be inside its grace period: the session stays open, unused,
-                        // until the guard is done with the lock (after teardown). The session
-                        // timeouts still bound how long the server keeps a silent one.
-                        let _ = (&mut ends.release).await;
-                    }
-                    return Ok(());
-                }
-            }
+            Ok(rows) => Verdict::NotOwner(format!(
+                "backend {} no longer holds key {} ({:?})",
+                self.pid,
+                self.key,
+                rows.first()
+            )),
+            Err(Failure::Timeout) => Verdict::NoAnswer,
+            Err(Failure::Db(e)) if session_ended(&e) => Verdict::Closed(self.target.explain(e)),
+            Err(Failure::Db(e)) => Verdict::Failed(self.target.explain(e)),
         }
     }
 
-    fn judge(&self, result: CheckResult, sent: Deadline) -> Check {
-        let lost = |reason, detail: String| Check::Lost(LockLoss { reason, detail });
-        let took = sent.elapsed();
-        let owned = |rows: &Rows| {
-            rows.first()
-                .is_some_and(|row| number(row, 0) == Some(self.pid) && is_true(row, 1))
-        };
-        match result {
-            Ok(rows) if owned(&rows) && took > self.budget => lost(
-                LossReason::CheckTimeout,
-                format!(
-                    "the check answered after {}, beyond its {} budget",
-                    humantime::format_duration(Duration::from_millis(took.as_millis() as u64)),
-                    humantime::format_duration(self.budget)
-                ),
-            ),
-            Ok(rows) if owned(&rows) => Check::Owned,
-            Ok(rows) => lost(
-                LossReason::NotOwner,
-                format!(
-                    "backend {} no longer holds key {} ({:?})",
-                    self.pid,
-                    self.key,
-                    rows.first()
-                ),
-            ),
-            Err(Failure::Timeout) => lost(
-                LossReason::CheckTimeout,
-                format!(
-                    "no answer within {}",
-                    humantime::format_duration(self.budget)
-                ),
-            ),
-            Err(Failure::Db(e)) => {
-                let reason = if session_ended(&e) {
-                    LossReason::ConnectionClosed
-                } else {
-                    LossReason::CheckFailed
-                };
-                lost(reason, self.target.explain(e))
-            }
-        }
-    }
-
-    /// Cancels the outstanding check's `pg_sleep` so a release is not delayed by up to a check
-    /// interval, and returns the check's result. The cancel request is repeated until the check
-    /// answers: the first one can reach the server before the check itself does. Best effort: if
-    /// a cancel request cannot be sent, the sleep simply runs out.
-    async fn interrupt<F>(&self, mut check: std::pin::Pin<&mut F>) -> CheckResult
+    /// The protocol's cancel request (a short connection that needs no credentials), repeated until
+    /// the check answers: the first one can reach the server before the check itself does. If one
+    /// cannot be sent, the sleep simply runs out.
+    async fn interrupt<'a, F>(&'a self, mut check: Pin<&'a mut F>) -> CheckResult
     where
-        F: std::future::Future<Output = CheckResult>,
+        F: Future<Output = CheckResult> + Send + 'a,
     {
         let Ok(tls) = Tls::new(&self.target.tls) else {
             return check.await;
         };
         loop {
-            match timeout(INTERRUPT_TIMEOUT, self.cancel.cancel_query(tls.clone())).await {
-                Ok(Ok(())) => {}
-                _ => {
-                    debug!(
-                        backend_pid = self.pid,
-                        "could not cancel the check sleep; waiting for it to end"
-                    );
-                    return check.await;
-                }
+            let cancelled = timeout(INTERRUPT_TIMEOUT, self.cancel.cancel_query(tls.clone())).await;
+            if !matches!(cancelled, Ok(Ok(()))) {
+                debug!(
+                    backend_pid = self.pid,
+                    "could not cancel the check sleep; waiting for it to end"
+                );
+                return check.await;
             }
             tokio::select! {
                 result = check.as_mut() => return result,
@@ -801,9 +675,15 @@ impl Watcher {
         }
     }
 
-    async fn release(&self, client: Client) -> Result<(), LockError> {
+    fn release(&self, client: Client) -> impl Future<Output = Result<(), LockError>> + Send + '_ {
+        self.give_back(client)
+    }
+}
+
+impl Watcher {
+    async fn give_back(&self, client: Client) -> Result<(), LockError> {
         let sql = format!("SELECT pg_advisory_unlock({})", self.key);
-        match query(&client, &sql, self.budget).await {
+        match query(&client, &sql, self.timing.budget).await {
             Ok(rows) if rows.first().is_some_and(|row| is_true(row, 0)) => info!(
                 event = "lock_released",
                 backend_pid = self.pid,

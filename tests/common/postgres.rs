@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use super::{free_port, procs, wait_until, TempDir};
+use super::{free_port, made_once, must_run, procs, stdout_of, wait_until, TempDir};
 
 pub const USER: &str = "guard";
 pub const PASSWORD: &str = "guard-secret-pw-0d5e";
@@ -77,53 +77,42 @@ fn give_to_server_user(path: &Path) {
     }
 }
 
-/// One initialised data directory per build, copied for every server: `initdb` takes seconds, a
-/// copy a fraction of that.
+/// One initialised data directory per build, copied for every server.
 fn template() -> &'static Path {
     static TEMPLATE: OnceLock<PathBuf> = OnceLock::new();
     TEMPLATE.get_or_init(|| {
-        let root = Path::new(env!("CARGO_TARGET_TMPDIR"));
-        let ready = root.join("postgres-template-2");
-        if ready.join("PG_VERSION").is_file() {
-            return ready;
-        }
-        let staging = root.join(format!("postgres-template.{}", std::process::id()));
-        let _ = fs::remove_dir_all(&staging);
-        fs::create_dir_all(&staging).unwrap();
-        give_to_server_user(&staging);
-        let mut initdb = Command::new(program("initdb"));
-        initdb
-            .arg("-D")
-            .arg(&staging)
-            .args([
-                "-U",
-                ADMIN,
-                "--auth-local=trust",
-                "--auth-host=scram-sha-256",
-            ])
-            .args(["--no-sync", "--encoding=UTF8", "--locale=C"]);
-        let output = as_server_user(initdb)
-            .output()
-            .expect("initdb is not installed (apt-get install postgresql)");
-        assert!(
-            output.status.success(),
-            "initdb failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        // The role behind the test's transaction pooler (tests/common/pooler.rs) logs in without
-        // a password; first, as pg_hba.conf's first matching line wins.
-        let hba = staging.join("pg_hba.conf");
-        let rules = fs::read_to_string(&hba).unwrap();
-        fs::write(
-            &hba,
-            format!("host all {POOLED} 127.0.0.1/32 trust\n{rules}"),
+        made_once(
+            "postgres-template",
+            |dir| dir.join("PG_VERSION").is_file(),
+            |staging| {
+                fs::create_dir_all(staging).unwrap();
+                give_to_server_user(staging);
+                let mut initdb = Command::new(program("initdb"));
+                initdb
+                    .arg("-D")
+                    .arg(staging)
+                    .args([
+                        "-U",
+                        ADMIN,
+                        "--auth-local=trust",
+                        "--auth-host=scram-sha-256",
+                    ])
+                    .args(["--no-sync", "--encoding=UTF8", "--locale=C"]);
+                must_run(
+                    as_server_user(initdb),
+                    "initdb (apt-get install postgresql)",
+                );
+                // The role behind the test's transaction pooler (tests/common/pooler.rs) logs in
+                // without a password; first, as pg_hba.conf's first matching line wins.
+                let hba = staging.join("pg_hba.conf");
+                let rules = fs::read_to_string(&hba).unwrap();
+                fs::write(
+                    &hba,
+                    format!("host all {POOLED} 127.0.0.1/32 trust\n{rules}"),
+                )
+                .unwrap();
+            },
         )
-        .unwrap();
-        // Another test process may have won the race; either copy is as good.
-        if fs::rename(&staging, &ready).is_err() {
-            let _ = fs::remove_dir_all(&staging);
-        }
-        ready
     })
 }
 
@@ -169,12 +158,7 @@ impl Postgres {
             .arg("-p")
             .arg(primary.port.to_string())
             .args(["-U", ADMIN, "--write-recovery-conf", "--no-sync"]);
-        let output = as_server_user(backup).output().unwrap();
-        assert!(
-            output.status.success(),
-            "pg_basebackup failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+        must_run(as_server_user(backup), "pg_basebackup");
         assert!(dir.path().join("data/standby.signal").exists());
         let mut server = Postgres {
             dir,
@@ -209,7 +193,7 @@ impl Postgres {
             .expect("postgres is not installed (apt-get install postgresql)");
         self.process = Some(child);
         let up = wait_until(Duration::from_secs(30), || {
-            self.try_sql("SELECT 1").is_some()
+            stdout_of(self.client("SELECT 1")).is_some()
         });
         assert!(
             up,
@@ -265,17 +249,9 @@ impl Postgres {
         cmd
     }
 
-    fn try_sql(&self, sql: &str) -> Option<String> {
-        let out = self.client(sql).stderr(Stdio::null()).output().ok()?;
-        out.status
-            .success()
-            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
-    }
-
     /// Runs SQL as the superuser over the private socket; panics on failure.
     pub fn sql(&self, sql: &str) -> String {
-        self.try_sql(sql)
-            .unwrap_or_else(|| panic!("query failed: {sql}"))
+        stdout_of(self.client(sql)).unwrap_or_else(|| panic!("query failed: {sql}"))
     }
 
     /// The backend pid holding the guard's advisory lock for `name`, if any.

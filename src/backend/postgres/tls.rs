@@ -40,16 +40,20 @@ impl Tls {
     pub fn new(tls: &PostgresTls) -> Result<Tls, String> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let verifier: Arc<dyn ServerCertVerifier> = match tls.mode {
-            SslMode::Disable | SslMode::Prefer | SslMode::Require => {
-                Arc::new(Unverified(provider.clone()))
-            }
+            SslMode::Disable | SslMode::Prefer | SslMode::Require => Arc::new(Lenient {
+                provider: provider.clone(),
+                chain: None,
+            }),
             SslMode::VerifyCa | SslMode::VerifyFull => {
                 let roots = Arc::new(trusted_roots(tls.ca_file.as_deref())?);
                 let chain = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
                     .build()
                     .map_err(|e| format!("cannot verify server certificates: {e}"))?;
                 if tls.mode == SslMode::VerifyCa {
-                    Arc::new(ChainOnly(chain))
+                    Arc::new(Lenient {
+                        provider: provider.clone(),
+                        chain: Some(chain),
+                    })
                 } else {
                     chain
                 }
@@ -86,61 +90,17 @@ fn trusted_roots(ca_file: Option<&Path>) -> Result<RootCertStore, String> {
     Ok(roots)
 }
 
-/// `require` (and `prefer`): encrypted, but any certificate will do, as with libpq.
+/// `require` and `prefer` (no `chain`): encrypted, but any certificate will do, as with libpq.
+/// `verify-ca` (a `chain`): the chain must lead to a trusted CA, the name in the certificate is not
+/// checked; the chain verifier checks the name only after the chain, so a wrong name means a good
+/// chain. Handshake signatures are always verified.
 #[derive(Debug)]
-struct Unverified(Arc<CryptoProvider>);
-
-impl ServerCertVerifier for Unverified {
-    fn verify_server_cert(
-        &self,
-        _: &CertificateDer<'_>,
-        _: &[CertificateDer<'_>],
-        _: &ServerName<'_>,
-        _: &[u8],
-        _: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
+struct Lenient {
+    provider: Arc<CryptoProvider>,
+    chain: Option<Arc<WebPkiServerVerifier>>,
 }
 
-/// `verify-ca`: the chain must lead to a trusted CA; the name in the certificate is not checked.
-/// The wrapped verifier checks the name only after the chain, so a wrong name means a good chain.
-#[derive(Debug)]
-struct ChainOnly(Arc<WebPkiServerVerifier>);
-
-impl ServerCertVerifier for ChainOnly {
+impl ServerCertVerifier for Lenient {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -149,10 +109,10 @@ impl ServerCertVerifier for ChainOnly {
         ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
-        {
+        let Some(chain) = &self.chain else {
+            return Ok(ServerCertVerified::assertion());
+        };
+        match chain.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now) {
             Err(rustls::Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
             )) => Ok(ServerCertVerified::assertion()),
@@ -166,7 +126,12 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
     }
 
     fn verify_tls13_signature(
@@ -175,11 +140,18 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
     }
 }
 
