@@ -183,7 +183,9 @@ pub async fn acquire(
             Ok(Err(e)) => setup_error(target, e),
             Err(_) => no_answer(target, "GET_LOCK", chunk + timings.check_timeout),
         };
-        // Fail closed at start; a standby whose own session failed reconnects with backoff.
+        // Fail closed at start; a standby whose own session failed reconnects with backoff. Closing
+        // the failed session first gives back a lock it may have been granted.
+        drop(conn);
         conn = reopen(error, patience, &mut backoff, || {
             open_session(target, timings)
         })

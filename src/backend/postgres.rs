@@ -385,19 +385,27 @@ pub async fn acquire(
                 )
             )),
             Ok(rows) if granted => {
-                same_backend(session.pid, rows.first().and_then(|row| number(row, 1)))?;
-                let token = prove(&session, target, request, key).await?;
-                info!(
-                    event = "lock_acquired",
-                    backend_pid = session.pid,
-                    key,
-                    fencing_token = token,
-                    session_timeout_secs = timings.session_timeout_secs(),
-                    "postgres lock acquired"
-                );
-                return Ok(Acquisition::Acquired(HeldLock::Postgres(watch(
-                    session, target, request, token,
-                ))));
+                let proven =
+                    match same_backend(session.pid, rows.first().and_then(|row| number(row, 1))) {
+                        Ok(()) => prove(&session, target, request, key).await,
+                        Err(pooler) => Err(pooler),
+                    };
+                match proven {
+                    Ok(token) => {
+                        info!(
+                            event = "lock_acquired",
+                            backend_pid = session.pid,
+                            key,
+                            fencing_token = token,
+                            session_timeout_secs = timings.session_timeout_secs(),
+                            "postgres lock acquired"
+                        );
+                        return Ok(Acquisition::Acquired(HeldLock::Postgres(watch(
+                            session, target, request, token,
+                        ))));
+                    }
+                    Err(e) => e,
+                }
             }
             Ok(_) if patience.exhausted() => {
                 let holder = describe_holder(&session.client, key, timings.check_timeout).await;
@@ -423,7 +431,9 @@ pub async fn acquire(
             }
             Err(failure) => target.failed("pg_advisory_lock", failure, budget),
         };
-        // Fail closed at start; a standby whose own session failed reconnects with backoff.
+        // Fail closed at start; a standby whose own session failed reconnects with backoff. Closing
+        // the failed session first gives back a lock it may have been granted.
+        drop(session);
         session = reopen(error, patience, &mut backoff, || {
             open_session(target, timings, &app_name)
         })
