@@ -321,6 +321,48 @@ fn a_transaction_pooler_is_refused_with_69_and_an_explanation() {
     assert_eq!(code, 0, "{log}");
 }
 
+/// libpq's `sslmode` meanings, against a server whose certificate names `db.example` and is signed
+/// by a private CA, reached as 127.0.0.1.
+#[test]
+fn sslmodes_verify_what_they_promise() {
+    let (db, ca) = Postgres::start_with_tls();
+    let mut lab = Lab::new();
+    let url = |query: &str| format!("{}?{query}", db.url());
+    let ca = ca.display();
+    for (query, code) in [
+        ("sslmode=require".to_owned(), 0),
+        (format!("sslmode=verify-ca&sslrootcert={ca}"), 0),
+        // libpq: `require` with a CA file verifies the chain.
+        (format!("sslmode=require&sslrootcert={ca}"), 0),
+        // The certificate does not name 127.0.0.1.
+        (format!("sslmode=verify-full&sslrootcert={ca}"), 69),
+        // The system's store does not know the private CA.
+        ("sslmode=verify-ca".to_owned(), 69),
+    ] {
+        let (got, log) = lab.run(
+            &lock_args(&url(&query), "tls", &[]),
+            &["true"],
+            Duration::from_secs(10),
+        );
+        assert_eq!(got, code, "{query}: {log}");
+        assert!(code == 0 || log.contains("certificate"), "{query}: {log}");
+    }
+    // The session really is encrypted.
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut guard = lab.spawn(
+        &lock_args(&url("sslmode=require"), "tls", &[]),
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    read_pid(&pidfile, Duration::from_secs(10));
+    let pid = db.holder_of("tls").expect("held");
+    assert_eq!(
+        db.sql(&format!("SELECT ssl FROM pg_stat_ssl WHERE pid = {pid}")),
+        "t"
+    );
+    guard.signal(15);
+    assert_eq!(guard.code(Duration::from_secs(10)), 0);
+}
+
 #[test]
 fn status_prints_key_and_holder_as_text_and_json() {
     let db = Postgres::start();

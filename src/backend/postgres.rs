@@ -152,12 +152,13 @@ impl PostgresTarget {
         LockError::Unreachable(self.explain(e))
     }
 
-    /// A driver error, with the database's own message and code where there is one (the driver's
-    /// `Display` says only "db error").
+    /// A driver error, with the database's own message and code where there is one, and the cause
+    /// (the driver's `Display` says only "db error", "error performing TLS handshake").
     fn explain(&self, e: tokio_postgres::Error) -> String {
-        let text = match e.as_db_error() {
-            Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
-            None => e.to_string(),
+        let text = match (e.as_db_error(), std::error::Error::source(&e)) {
+            (Some(db), _) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+            (None, Some(cause)) => format!("{e}: {cause}"),
+            (None, None) => e.to_string(),
         };
         format!("{}: {}", self.url, self.url.scrub(text))
     }

@@ -120,6 +120,8 @@ pub struct Postgres {
     dir: TempDir,
     pub port: u16,
     process: Option<Child>,
+    /// Server settings beyond the harness's own, as `-c name=value` pairs.
+    extra: Vec<String>,
 }
 
 impl Postgres {
@@ -137,6 +139,7 @@ impl Postgres {
             dir,
             port: free_port(),
             process: None,
+            extra: Vec::new(),
         };
         server.boot();
         server.sql(&format!(
@@ -164,9 +167,93 @@ impl Postgres {
             dir,
             port: free_port(),
             process: None,
+            extra: Vec::new(),
         };
         server.boot();
         server
+    }
+
+    /// A server that offers TLS with a certificate for `db.example` only (not for 127.0.0.1),
+    /// signed by a CA of its own; returns the CA certificate's path too.
+    pub fn start_with_tls() -> (Postgres, PathBuf) {
+        let mut server = Postgres::start();
+        let d = server.dir.path().to_owned();
+        let openssl = |args: &[&str]| {
+            let mut cmd = Command::new("openssl");
+            cmd.current_dir(&d).args(args);
+            must_run(cmd, "openssl");
+        };
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        openssl(
+            &[
+                &["req", "-x509"][..],
+                &ec,
+                &[
+                    "-keyout",
+                    "ca.key",
+                    "-out",
+                    "ca.crt",
+                    "-days",
+                    "2",
+                    "-subj",
+                    "/CN=sentinel-guard test CA",
+                ],
+            ]
+            .concat(),
+        );
+        openssl(
+            &[
+                &["req"][..],
+                &ec,
+                &[
+                    "-keyout",
+                    "server.key",
+                    "-out",
+                    "server.csr",
+                    "-subj",
+                    "/CN=db.example",
+                ],
+            ]
+            .concat(),
+        );
+        fs::write(
+            d.join("server.ext"),
+            "subjectAltName=DNS:db.example\nbasicConstraints=CA:FALSE\n",
+        )
+        .unwrap();
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "server.ext",
+        ]);
+        give_to_server_user(&d);
+        let key = d.join("server.key");
+        fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+        server.extra = vec![
+            "ssl=on".to_owned(),
+            format!("ssl_cert_file={}", d.join("server.crt").display()),
+            format!("ssl_key_file={}", key.display()),
+        ];
+        server.restart();
+        (server, d.join("ca.crt"))
     }
 
     fn boot(&mut self) {
@@ -185,6 +272,9 @@ impl Postgres {
             .args(["-c", "fsync=off", "-c", "full_page_writes=off"])
             .args(["-c", "shared_buffers=16MB"])
             .args(["-c", "max_connections=300"]);
+        for setting in &self.extra {
+            postgres.args(["-c", setting]);
+        }
         let child = as_server_user(postgres)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
