@@ -35,7 +35,7 @@ use crate::config::{LockName, PostgresTarget, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
 
-pub use tls::Tls;
+use tls::Tls;
 
 /// How often a cancel request is repeated until the check answers.
 const INTERRUPT_RETRY: Duration = Duration::from_millis(20);
