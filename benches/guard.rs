@@ -266,8 +266,9 @@ fn detection(report: &mut Report, servers: &mut Servers, settings: &Settings) {
             stamp(lab.dir.path(), "started", Duration::from_secs(10)).expect("app started");
             std::thread::sleep(Duration::from_millis(200));
             let fault_at = now_ns();
+            // By the scenario's own words: "server SIGKILL" also contains "KILL".
             match scenario {
-                s if s.contains("KILL") => {
+                s if s.contains("`KILL <conn>`") => {
                     let id = servers.mysql.holder_of(&name).unwrap();
                     servers.mysql.sql(&format!("KILL {id}"));
                 }
