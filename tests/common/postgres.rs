@@ -135,13 +135,7 @@ impl Postgres {
             .unwrap();
         assert!(status.success());
         give_to_server_user(dir.path());
-        let mut server = Postgres {
-            dir,
-            port: free_port(),
-            process: None,
-            extra: Vec::new(),
-        };
-        server.boot();
+        let server = Postgres::booted(dir);
         server.sql(&format!(
             "CREATE ROLE {USER} LOGIN PASSWORD '{PASSWORD}'; CREATE ROLE {POOLED} LOGIN"
         ));
@@ -163,6 +157,11 @@ impl Postgres {
             .args(["-U", ADMIN, "--write-recovery-conf", "--no-sync"]);
         must_run(as_server_user(backup), "pg_basebackup");
         assert!(dir.path().join("data/standby.signal").exists());
+        Postgres::booted(dir)
+    }
+
+    /// The server of the data directory `dir/data`, started on a free port.
+    fn booted(dir: TempDir) -> Postgres {
         let mut server = Postgres {
             dir,
             port: free_port(),
