@@ -386,6 +386,8 @@ impl PostgresTls {
         for (key, value) in url.query_pairs() {
             match key.as_ref() {
                 "sslmode" => mode = Some(value.into_owned()),
+                // libpq's word for the system's trust store, which is also what no CA file means.
+                "sslrootcert" if value == "system" => ca_file = None,
                 "sslrootcert" => ca_file = Some(PathBuf::from(value.as_ref())),
                 // The redacted URL hides only the password of the userinfo part.
                 "password" => {
@@ -857,6 +859,43 @@ mod tests {
         };
         assert_eq!(t.url.to_string(), "rediss://:***@cache:6380/1");
         assert!(Target::parse("redis://h:6379", "bad{prefix}").is_err());
+    }
+
+    #[test]
+    fn postgres_urls_take_libpq_tls_parameters_and_keep_passwords_out_of_queries() {
+        let tls = |raw: &str| match Target::parse(raw, "sg") {
+            Ok(Target::Postgres(t)) => Ok(t.tls),
+            Ok(_) => panic!("not postgres"),
+            Err(e) => Err(e.to_string()),
+        };
+        let mode = |raw: &str| tls(raw).unwrap().mode;
+        assert_eq!(mode("postgres://u:p@db/app"), SslMode::Prefer);
+        assert_eq!(
+            mode("postgresql://u@db/app?sslmode=disable"),
+            SslMode::Disable
+        );
+        assert_eq!(
+            mode("postgres://u@db/app?sslmode=require"),
+            SslMode::Require
+        );
+        assert_eq!(
+            mode("postgres://u@db/app?sslmode=require&sslrootcert=/ca.pem"),
+            SslMode::VerifyCa
+        );
+        let full = tls("postgres://u@db/app?sslmode=verify-full&sslrootcert=system").unwrap();
+        assert_eq!((full.mode, full.ca_file), (SslMode::VerifyFull, None));
+        assert!(tls("postgres://u@db/app?sslmode=allow").is_err());
+        let refused = tls("postgres://u@db/app?password=hunter2").unwrap_err();
+        assert!(!refused.contains("hunter2"), "{refused}");
+        let Ok(Target::Postgres(t)) = Target::parse(
+            "postgres://guard:s%40cret@db:5432/app?sslmode=verify-ca&sslrootcert=/ca.pem&connect_timeout=3",
+            "sg",
+        ) else {
+            panic!("not postgres")
+        };
+        assert_eq!(t.url.to_string(), "postgres://guard:***@db:5432/app?sslmode=verify-ca&sslrootcert=/ca.pem&connect_timeout=3");
+        assert_eq!(t.tls.ca_file, Some(PathBuf::from("/ca.pem")));
+        assert_eq!(t.config.get_password(), Some(&b"s@cret"[..]));
     }
 
     #[test]
