@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use common::endpoints::Metrics;
 use common::mariadb::MariaDb;
+use common::postgres::Postgres;
 use common::redis::Redis;
 use common::{
     as_strs, assert_no_overlap, free_port, trace_lines, wait_until, Backend, GuardProcess, Lab,
@@ -19,6 +20,17 @@ use common::{
 const LONG: Duration = Duration::from_secs(30);
 /// Debian's `libfaketime` (the `faketime` package).
 const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+
+/// A private PostgreSQL whose guard account may create the windows table (PostgreSQL 15 lets no
+/// one but the owner create in `public`).
+fn postgres_granted() -> Postgres {
+    let db = Postgres::start();
+    db.sql(&format!(
+        "GRANT CREATE ON SCHEMA public TO {}",
+        common::postgres::USER
+    ));
+    db
+}
 
 /// One `#[test]` per backend for a check that takes the backend.
 macro_rules! on_backends {
@@ -34,23 +46,27 @@ macro_rules! on_backends {
 
 on_backends!(each_window_exactly_once:
     three_replicas_run_each_window_exactly_once_on_mysql => Backend::Mysql(MariaDb::start()),
+    three_replicas_run_each_window_exactly_once_on_postgres => Backend::Postgres(postgres_granted()),
     three_replicas_run_each_window_exactly_once_on_redis => Backend::Redis(Redis::start()),
     three_replicas_run_each_window_exactly_once_on_file => Backend::File(Lab::new()),
 );
 
 on_backends!(a_claimed_window_is_never_run_again:
     a_claimed_window_is_never_run_again_on_mysql => Backend::Mysql(MariaDb::start()),
+    a_claimed_window_is_never_run_again_on_postgres => Backend::Postgres(postgres_granted()),
     a_claimed_window_is_never_run_again_on_redis => Backend::Redis(Redis::start()),
     a_claimed_window_is_never_run_again_on_file => Backend::File(Lab::new()),
 );
 
 on_backends!(skewed_clocks_do_not_matter:
     skewed_clocks_still_run_each_window_once_on_mysql => Backend::Mysql(MariaDb::start()),
+    skewed_clocks_still_run_each_window_once_on_postgres => Backend::Postgres(postgres_granted()),
     skewed_clocks_still_run_each_window_once_on_redis => Backend::Redis(Redis::start()),
 );
 
 on_backends!(a_long_run_makes_the_next_windows_busy:
     a_long_run_makes_the_next_windows_busy_on_mysql => Backend::Mysql(MariaDb::start()),
+    a_long_run_makes_the_next_windows_busy_on_postgres => Backend::Postgres(postgres_granted()),
     a_long_run_makes_the_next_windows_busy_on_redis => Backend::Redis(Redis::start()),
     a_long_run_makes_the_next_windows_busy_on_file => Backend::File(Lab::new()),
 );
@@ -388,4 +404,30 @@ fn mysql_user_without_create_is_given_the_sql() {
     }
     assert!(runs_per_window(&lab).is_empty());
     assert!(!Path::new(&lab.path("trace")).exists());
+}
+
+/// PostgreSQL 15's default: only the schema's owner creates tables in `public`. The guard's account
+/// is told the statement to run once, and the grants.
+#[test]
+fn postgres_user_without_create_is_given_the_sql() {
+    let db = Postgres::start();
+    let url = db.url();
+    let mut lab = Lab::new();
+    let app = job(&lab, "0");
+    let (code, log) = lab.run(
+        &["--url", &url, "--name", "nocreate", "--once-per", "30d"],
+        &as_strs(&app),
+        LONG,
+    );
+    assert_eq!(code, 69, "{log}");
+    assert!(
+        log.contains("CREATE TABLE IF NOT EXISTS sentinel_guard_windows"),
+        "{log}"
+    );
+    assert!(
+        log.contains("GRANT SELECT, INSERT, UPDATE, DELETE"),
+        "{log}"
+    );
+    assert!(!log.contains(common::postgres::PASSWORD), "{log}");
+    assert!(runs_per_window(&lab).is_empty());
 }

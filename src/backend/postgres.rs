@@ -603,7 +603,7 @@ fn watch(
     };
     PostgresLock {
         pid: session.pid,
-        target: target.clone(),
+        target: Box::new(target.clone()),
         session: SessionLock::spawn(watcher, session.client, farewell, Some(fencing_token)),
     }
 }
@@ -613,7 +613,7 @@ pub struct PostgresLock {
     pub session: SessionLock,
     /// Where scheduled runs record their windows, on a connection of their own: the lock's
     /// connection is busy with the ownership check.
-    target: PostgresTarget,
+    target: Box<PostgresTarget>,
     /// The lock's backend, which a window claim proves still holds the key.
     pid: i32,
 }
