@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use common::etcd::Etcd;
 use common::freeze::Freezer;
 use common::mariadb::MariaDb;
+use common::postgres::Postgres;
 use common::redis::Redis;
 use common::*;
 use serde_json::{json, Value};
@@ -111,6 +112,7 @@ impl Report {
 
 struct Servers {
     mysql: MariaDb,
+    postgres: Postgres,
     redis: Redis,
     files: Lab,
     /// Only for the side-by-side rows; `None` where etcd is not installed.
@@ -121,13 +123,14 @@ impl Servers {
     fn url(&self, backend: &str) -> String {
         match backend {
             "mysql" => self.mysql.url(),
+            "postgres" => self.postgres.url(),
             "redis" => self.redis.url(),
             _ => self.files.file_url(&format!("bench-{}.lock", now_ns())),
         }
     }
 }
 
-const BACKENDS: [&str; 3] = ["mysql", "redis", "file"];
+const BACKENDS: [&str; 4] = ["mysql", "postgres", "redis", "file"];
 
 /// Timings for the latency scenarios: short enough that Redis events happen within seconds, and
 /// valid for every backend.
@@ -220,13 +223,19 @@ const NO_ETCD: &str = "not installed here (no etcd/etcdctl)";
 
 /// From a fault to the leader app receiving its stop signal.
 fn detection(report: &mut Report, servers: &mut Servers, settings: &Settings) {
-    let cases: [(&str, &str, &str); 5] = [
+    let cases: [(&str, &str, &str); 7] = [
         (
             "detection: `KILL <conn>`",
             "mysql",
             "<= 20 ms, independent of --check-interval",
         ),
         ("detection: server SIGKILL", "mysql", "<= 20 ms"),
+        (
+            "detection: `pg_terminate_backend`",
+            "postgres",
+            "<= 100 ms, independent of --check-interval",
+        ),
+        ("detection: server SIGKILL", "postgres", "<= 100 ms"),
         (
             "detection: key `DEL`",
             "redis",
@@ -250,7 +259,11 @@ fn detection(report: &mut Report, servers: &mut Servers, settings: &Settings) {
             let name = format!("detect-{round}");
             let url = servers.url(backend);
             // A 30s check interval shows detection does not wait for the next check.
-            let interval = if backend == "mysql" { "30s" } else { "1s" };
+            let interval = if ["mysql", "postgres"].contains(&backend) {
+                "30s"
+            } else {
+                "1s"
+            };
             let mut args = vec!["--check-interval", interval];
             args.extend_from_slice(&SHORT_LEASE);
             let mut guard = guard_cmd(&url, &name, &args, &timing_app(lab.dir.path(), None))
@@ -259,10 +272,20 @@ fn detection(report: &mut Report, servers: &mut Servers, settings: &Settings) {
             stamp(lab.dir.path(), "started", Duration::from_secs(10)).expect("app started");
             std::thread::sleep(Duration::from_millis(200));
             let fault_at = now_ns();
+            // By the scenario's own words: "server SIGKILL" also contains "KILL".
             match scenario {
-                s if s.contains("KILL") => {
+                s if s.contains("`KILL <conn>`") => {
                     let id = servers.mysql.holder_of(&name).unwrap();
                     servers.mysql.sql(&format!("KILL {id}"));
+                }
+                s if s.contains("pg_terminate_backend") => {
+                    let pid = servers.postgres.holder_of(&name).unwrap();
+                    servers
+                        .postgres
+                        .sql(&format!("SELECT pg_terminate_backend({pid})"));
+                }
+                s if s.contains("server SIGKILL") && backend == "postgres" => {
+                    servers.postgres.kill9()
                 }
                 s if s.contains("server SIGKILL") => servers.mysql.kill9(),
                 s if s.contains("DEL") => {
@@ -278,7 +301,10 @@ fn detection(report: &mut Report, servers: &mut Servers, settings: &Settings) {
             }
             let _ = guard.wait();
             if scenario.contains("server SIGKILL") {
-                servers.mysql.restart();
+                match backend {
+                    "postgres" => servers.postgres.restart(),
+                    _ => servers.mysql.restart(),
+                }
             }
         }
         report.latency(scenario, backend, &stats, target);
@@ -573,9 +599,18 @@ fn redis_commands(redis: &Redis) -> u64 {
         .unwrap()
 }
 
+/// Transactions (each statement outside a transaction is one), as the server's statistics have
+/// them: they lag by up to a second, which a window of seconds absorbs.
+fn postgres_transactions(db: &Postgres) -> u64 {
+    db.sql("SELECT sum(xact_commit + xact_rollback) FROM pg_stat_database")
+        .parse()
+        .unwrap()
+}
+
 fn backend_ops(servers: &Servers, backend: &str) -> Option<u64> {
     match backend {
         "mysql" => Some(mysql_questions(&servers.mysql)),
+        "postgres" => Some(postgres_transactions(&servers.postgres)),
         "redis" => Some(redis_commands(&servers.redis)),
         _ => None,
     }
@@ -880,6 +915,7 @@ fn main() {
     };
     let mut servers = Servers {
         mysql: MariaDb::start(),
+        postgres: Postgres::start(),
         redis: Redis::start(),
         files: Lab::new(),
         etcd: Etcd::start(),

@@ -185,7 +185,7 @@ pub struct Cli {
 /// Where the lock lives and how long to wait for it to answer: shared by the guard and `status`.
 #[derive(Debug, Args)]
 pub struct LockArgs {
-    /// Lock backend URL: mysql://user:pass@host:port/db, redis[s]://[user:pass@]host:port[/db] or file:///abs/path.lock
+    /// Lock backend URL: mysql://user:pass@host:port/db, postgres://user:pass@host:port/db[?sslmode=...], redis[s]://[user:pass@]host:port[/db] or file:///abs/path.lock
     #[arg(
         short = 'u',
         long,

@@ -23,8 +23,8 @@ fn invalid(message: impl Into<String>) -> ConfigError {
 }
 
 /// Room, on top of the guard's own detection bound, for scheduling delays on the guard's host and
-/// network latency, before a MySQL server may free the lock of a silent connection.
-pub const MYSQL_SAFETY_MARGIN: Duration = Duration::from_secs(5);
+/// network latency, before a MySQL or PostgreSQL server may free the lock of a silent connection.
+pub const SESSION_SAFETY_MARGIN: Duration = Duration::from_secs(5);
 /// The largest `wait_timeout` MySQL and MariaDB accept on Unix.
 const MYSQL_MAX_WAIT_TIMEOUT_SECS: u64 = 31_536_000;
 const MIN_CHECK_INTERVAL: Duration = Duration::from_millis(100);
@@ -407,6 +407,7 @@ impl std::fmt::Display for LockName {
 #[derive(Debug)]
 pub enum Target {
     Mysql(MysqlTarget),
+    Postgres(Box<PostgresTarget>),
     Redis(Box<RedisTarget>),
     File(PathBuf),
 }
@@ -475,6 +476,82 @@ impl fmt::Debug for SecretUrl {
 }
 
 #[derive(Debug, Clone)]
+pub struct PostgresTarget {
+    /// Everything but TLS, which `tls` describes: the driver knows neither `verify-ca` nor
+    /// `verify-full`, so `sslmode` and `sslrootcert` are taken out of the URL before it parses it.
+    pub config: tokio_postgres::Config,
+    pub tls: PostgresTls,
+    pub url: RedactedUrl,
+    /// The URL as given, credentials included, for the guard's watchdog process only.
+    pub secret: SecretUrl,
+}
+
+/// `sslmode` and `sslrootcert`, with libpq's meanings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PostgresTls {
+    pub mode: SslMode,
+    /// PEM file of the CA certificates to trust; the system's store when `None`.
+    pub ca_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SslMode {
+    Disable,
+    /// TLS when the server offers it, without verifying its certificate (libpq's default).
+    Prefer,
+    /// TLS, without verifying the certificate.
+    Require,
+    /// TLS with a certificate signed by a trusted CA.
+    VerifyCa,
+    /// `VerifyCa`, and the certificate names the host connected to.
+    VerifyFull,
+}
+
+impl PostgresTls {
+    /// Splits the TLS parameters off a `postgres://` URL: what is left is for the driver.
+    fn take_from(url: &mut url::Url) -> Result<PostgresTls, ConfigError> {
+        let mut mode = None;
+        let mut ca_file = None;
+        let mut rest = Vec::new();
+        for (key, value) in url.query_pairs() {
+            match key.as_ref() {
+                "sslmode" => mode = Some(value.into_owned()),
+                // libpq's word for the system's trust store, which is also what no CA file means.
+                "sslrootcert" if value == "system" => ca_file = None,
+                "sslrootcert" => ca_file = Some(PathBuf::from(value.as_ref())),
+                // The redacted URL hides only the password of the userinfo part.
+                "password" => {
+                    return Err(invalid(
+                        "--url: give the password in the URL's user part (postgres://user:pass@host/db), not as ?password=",
+                    ))
+                }
+                _ => rest.push((key.into_owned(), value.into_owned())),
+            }
+        }
+        let mode = match mode.as_deref() {
+            None | Some("prefer") => SslMode::Prefer,
+            Some("disable") => SslMode::Disable,
+            // libpq: with a CA file, `require` verifies the chain like `verify-ca`.
+            Some("require") if ca_file.is_some() => SslMode::VerifyCa,
+            Some("require") => SslMode::Require,
+            Some("verify-ca") => SslMode::VerifyCa,
+            Some("verify-full") => SslMode::VerifyFull,
+            Some(other) => {
+                return Err(invalid(format!(
+                    "--url: sslmode={other:?} is not one of disable, prefer, require, verify-ca, verify-full"
+                )))
+            }
+        };
+        if rest.is_empty() {
+            url.set_query(None);
+        } else {
+            url.query_pairs_mut().clear().extend_pairs(rest);
+        }
+        Ok(PostgresTls { mode, ca_file })
+    }
+}
+
+#[derive(Debug, Clone)]
 pub struct RedisTarget {
     pub client: redis::Client,
     pub url: RedactedUrl,
@@ -530,7 +607,7 @@ impl Target {
     pub fn parse(raw: &str, redis_prefix: &str) -> Result<Target, ConfigError> {
         let url = url::Url::parse(raw).map_err(|e| {
             invalid(format!(
-                "--url: not a valid URL ({e}); expected mysql://, redis://, rediss:// or file:///abs/path.lock"
+                "--url: not a valid URL ({e}); expected mysql://, postgres://, redis://, rediss:// or file:///abs/path.lock"
             ))
         })?;
         match url.scheme() {
@@ -552,6 +629,21 @@ impl Target {
                     secret: SecretUrl::new(raw.to_owned()),
                     ca_file: None,
                 }))
+            }
+            "postgres" | "postgresql" => {
+                let shown = RedactedUrl::of(&url);
+                let mut driver_url = url.clone();
+                let tls = PostgresTls::take_from(&mut driver_url)?;
+                let config: tokio_postgres::Config = driver_url
+                    .as_str()
+                    .parse()
+                    .map_err(|e| invalid(format!("--url {shown}: {}", shown.scrub(e))))?;
+                Ok(Target::Postgres(Box::new(PostgresTarget {
+                    config,
+                    tls,
+                    url: shown,
+                    secret: SecretUrl::new(raw.to_owned()),
+                })))
             }
             "redis" | "rediss" => {
                 let url = RedactedUrl::of(&url);
@@ -575,7 +667,7 @@ impl Target {
                 Ok(Target::File(path))
             }
             other => Err(invalid(format!(
-                "--url: unsupported scheme {other:?}; expected mysql://, redis://, rediss:// or file://"
+                "--url: unsupported scheme {other:?}; expected mysql://, postgres://, redis://, rediss:// or file://"
             ))),
         }
     }
@@ -619,6 +711,20 @@ impl Target {
                 .map_err(|e| invalid(format!("--ca-file {shown}: {}", redis.url.scrub(e))))?;
                 Ok(Target::Redis(redis))
             }
+            Target::Postgres(mut postgres) => {
+                if postgres.tls.mode == SslMode::Disable {
+                    return Err(invalid(format!(
+                        "--ca-file {shown}: {} has sslmode=disable; use sslmode=verify-full",
+                        postgres.url
+                    )));
+                }
+                // As libpq does with sslrootcert: a CA to trust means the certificate is checked.
+                if matches!(postgres.tls.mode, SslMode::Prefer | SslMode::Require) {
+                    postgres.tls.mode = SslMode::VerifyCa;
+                }
+                postgres.tls.ca_file = Some(ca.path.clone());
+                Ok(Target::Postgres(postgres))
+            }
             Target::File(path) => Err(invalid(format!(
                 "--ca-file {shown}: file://{} is a local lock and uses no TLS",
                 path.display()
@@ -630,6 +736,7 @@ impl Target {
     pub fn location(&self) -> String {
         match self {
             Target::Mysql(mysql) => mysql.url.to_string(),
+            Target::Postgres(postgres) => postgres.url.to_string(),
             Target::Redis(redis) => redis.url.to_string(),
             Target::File(path) => format!("file://{}", path.display()),
         }
@@ -638,6 +745,7 @@ impl Target {
     pub fn backend_name(&self) -> &'static str {
         match self {
             Target::Mysql(_) => "mysql",
+            Target::Postgres(_) => "postgres",
             Target::Redis(_) => "redis",
             Target::File(_) => "file",
         }
@@ -681,10 +789,11 @@ impl Timings {
         self.check_interval + self.check_timeout
     }
 
-    /// The MySQL session `wait_timeout`, in whole seconds: the server frees the lock of a silent
-    /// connection only after the guard has detected the silence and killed its command.
-    pub fn mysql_wait_timeout_secs(&self) -> u64 {
-        let needed = self.detection_bound() + self.grace_period + MYSQL_SAFETY_MARGIN;
+    /// The shortest time, in whole seconds, after which a server may end a silent session and free
+    /// its lock: MySQL's `wait_timeout`; PostgreSQL's `idle_session_timeout`, `tcp_user_timeout` and
+    /// TCP keepalive idle time. The guard has detected the silence and killed its command by then.
+    pub fn session_timeout_secs(&self) -> u64 {
+        let needed = self.detection_bound() + self.grace_period + SESSION_SAFETY_MARGIN;
         needed.as_secs() + u64::from(needed.subsec_nanos() > 0)
     }
 
@@ -719,7 +828,7 @@ impl Timings {
             return Err(invalid("--connect-timeout must be longer than 0s"));
         }
         if let Some(Target::Mysql(_)) = target {
-            let wait_timeout = self.mysql_wait_timeout_secs();
+            let wait_timeout = self.session_timeout_secs();
             if wait_timeout > MYSQL_MAX_WAIT_TIMEOUT_SECS {
                 return Err(invalid(format!(
                     "the MySQL server must not free the lock before the guard has stopped the command, \
@@ -728,7 +837,7 @@ impl Timings {
                     show(self.check_interval),
                     show(self.check_timeout),
                     show(self.grace_period),
-                    show(MYSQL_SAFETY_MARGIN),
+                    show(SESSION_SAFETY_MARGIN),
                 )));
             }
         }
@@ -886,9 +995,9 @@ mod tests {
     }
 
     #[test]
-    fn mysql_wait_timeout_covers_detection_grace_and_margin() {
-        assert_eq!(timings(1000, 2000, 10_000).mysql_wait_timeout_secs(), 18);
-        assert_eq!(timings(200, 500, 1000).mysql_wait_timeout_secs(), 7);
+    fn session_timeout_covers_detection_grace_and_margin() {
+        assert_eq!(timings(1000, 2000, 10_000).session_timeout_secs(), 18);
+        assert_eq!(timings(200, 500, 1000).session_timeout_secs(), 7);
     }
 
     #[test]
@@ -950,6 +1059,43 @@ mod tests {
         };
         assert_eq!(t.url.to_string(), "rediss://:***@cache:6380/1");
         assert!(Target::parse("redis://h:6379", "bad{prefix}").is_err());
+    }
+
+    #[test]
+    fn postgres_urls_take_libpq_tls_parameters_and_keep_passwords_out_of_queries() {
+        let tls = |raw: &str| match Target::parse(raw, "sg") {
+            Ok(Target::Postgres(t)) => Ok(t.tls),
+            Ok(_) => panic!("not postgres"),
+            Err(e) => Err(e.to_string()),
+        };
+        let mode = |raw: &str| tls(raw).unwrap().mode;
+        assert_eq!(mode("postgres://u:p@db/app"), SslMode::Prefer);
+        assert_eq!(
+            mode("postgresql://u@db/app?sslmode=disable"),
+            SslMode::Disable
+        );
+        assert_eq!(
+            mode("postgres://u@db/app?sslmode=require"),
+            SslMode::Require
+        );
+        assert_eq!(
+            mode("postgres://u@db/app?sslmode=require&sslrootcert=/ca.pem"),
+            SslMode::VerifyCa
+        );
+        let full = tls("postgres://u@db/app?sslmode=verify-full&sslrootcert=system").unwrap();
+        assert_eq!((full.mode, full.ca_file), (SslMode::VerifyFull, None));
+        assert!(tls("postgres://u@db/app?sslmode=allow").is_err());
+        let refused = tls("postgres://u@db/app?password=hunter2").unwrap_err();
+        assert!(!refused.contains("hunter2"), "{refused}");
+        let Ok(Target::Postgres(t)) = Target::parse(
+            "postgres://guard:s%40cret@db:5432/app?sslmode=verify-ca&sslrootcert=/ca.pem&connect_timeout=3",
+            "sg",
+        ) else {
+            panic!("not postgres")
+        };
+        assert_eq!(t.url.to_string(), "postgres://guard:***@db:5432/app?sslmode=verify-ca&sslrootcert=/ca.pem&connect_timeout=3");
+        assert_eq!(t.tls.ca_file, Some(PathBuf::from("/ca.pem")));
+        assert_eq!(t.config.get_password(), Some(&b"s@cret"[..]));
     }
 
     #[test]

@@ -153,7 +153,7 @@ impl Metrics {
         );
         registry.register(
             "check_duration_seconds",
-            "Time an ownership check took to answer, excluding MySQL's deliberate SLEEP",
+            "Time an ownership check took to answer, excluding the deliberate server-side sleep (MySQL SLEEP, PostgreSQL pg_sleep)",
             checks.duration.clone(),
         );
         let check_timeout_gauge = Gauge::<f64, AtomicU64>::default();

@@ -168,16 +168,16 @@ impl Guard<'_> {
         signals: &mut SignalEvents,
         rejoining: bool,
     ) -> Result<HeldLock, Outcome> {
+        let patience = match self.config.wait {
+            Wait::No => Patience::None,
+            // Too far to represent is as good as forever.
+            Wait::For(limit) => Instant::now()
+                .checked_add(limit)
+                .map_or(Patience::Forever, Patience::Until),
+            Wait::Forever => Patience::Forever,
+        };
         let mut backoff = Backoff::new();
         loop {
-            let patience = match self.config.wait {
-                Wait::No => Patience::None,
-                // Too far to represent is as good as forever.
-                Wait::For(limit) => Instant::now()
-                    .checked_add(limit)
-                    .map_or(Patience::Forever, Patience::Until),
-                Wait::Forever => Patience::Forever,
-            };
             let request = LockRequest {
                 name: &self.config.name,
                 timings: &self.config.timings,
@@ -207,11 +207,13 @@ impl Guard<'_> {
                     );
                     return Err(Outcome::HeldElsewhere);
                 }
-                Err(backend::LockError::NotALockFile(e)) => {
+                Err(e @ backend::LockError::NotALockFile(_)) => {
+                    self.metrics.acquire(AcquireOutcome::Error);
                     error!(event = "acquire_failed", error = %e, "cannot take the lock; the app was not started");
                     return Err(Outcome::Usage);
                 }
-                Err(e) if rejoining => {
+                // `--wait=DUR` bounds these retries too; then the backend is as unusable as at start.
+                Err(e) if rejoining && !patience.exhausted() => {
                     self.metrics.acquire(AcquireOutcome::Error);
                     tokio::select! {
                         () = backoff.pause(&e, patience) => {}
@@ -874,17 +876,8 @@ impl Guard<'_> {
             Ending::AppExited(status) => self.metrics.app_ended(Some(*status)),
             Ending::MaxRuntime => {}
         }
-        // A lock that will be given back once the tree is gone: the backend gets ready for that
-        // while the tree is torn down (after the first signal is out: kill first).
-        let releasing =
-            !matches!(&ending, Ending::Lost(loss) if loss.reason != LossReason::WatchdogDied);
         let stopped = app
-            .stop(signal, kill_by, || {
-                if let (true, Some(lock)) = (releasing, held.as_ref()) {
-                    lock.release_coming();
-                }
-                announce(&ending, config)
-            })
+            .stop(signal, kill_by, || announce(&ending, config))
             .await;
 
         if !matches!(ending, Ending::AppExited(_)) {

@@ -68,6 +68,7 @@ fn print_line(line: &str) {
 fn render(config: &StatusConfig, holder: Option<&HolderInfo>, claim: Option<&Claim>) -> String {
     let claim_facts = claim.map(Claim::facts).unwrap_or_default();
     let state = if holder.is_some() { "held" } else { "free" };
+    let key = backend::lock_key(&config.target, &config.name);
     match config.format {
         OutputFormat::Text => {
             let mut line = format!(
@@ -76,6 +77,9 @@ fn render(config: &StatusConfig, holder: Option<&HolderInfo>, claim: Option<&Cla
                 config.target.backend_name(),
                 config.target.location()
             );
+            if let Some(key) = key {
+                line.push_str(&format!(" key={key}"));
+            }
             if let Some(holder) = holder {
                 line.push(' ');
                 line.push_str(&holder.to_string());
@@ -94,15 +98,18 @@ fn render(config: &StatusConfig, holder: Option<&HolderInfo>, claim: Option<&Cla
                         .collect::<Map<_, _>>(),
                 )
             };
-            json!({
+            let mut answer = json!({
                 "name": config.name.as_str(),
                 "backend": config.target.backend_name(),
                 "url": config.target.location(),
                 "state": state,
                 "holder": holder.map(|h| object(h.fields())),
                 "last_window": claim.map(|_| object(&claim_facts)),
-            })
-            .to_string()
+            });
+            if let Some(key) = key {
+                answer["key"] = json!(key);
+            }
+            answer.to_string()
         }
     }
 }

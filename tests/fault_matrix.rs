@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::freeze::Freezer;
 use common::mariadb::MariaDb;
+use common::postgres::Postgres;
 use common::proxy::Proxy;
 use common::redis::Redis;
 use common::*;
@@ -24,6 +25,7 @@ const TAKEOVER_DELAY: &str = "3s";
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Kind {
     Mysql,
+    Postgres,
     Redis,
     File,
 }
@@ -32,6 +34,7 @@ impl Kind {
     fn start(self) -> Backend {
         match self {
             Kind::Mysql => Backend::Mysql(MariaDb::start()),
+            Kind::Postgres => Backend::Postgres(Postgres::start()),
             Kind::Redis => Backend::Redis(Redis::start()),
             Kind::File => Backend::File(Lab::new()),
         }
@@ -66,6 +69,7 @@ struct Expect {
 fn port_of(backend: &Backend) -> u16 {
     match backend {
         Backend::Mysql(db) => db.port,
+        Backend::Postgres(db) => db.port,
         Backend::Redis(redis) => redis.port,
         Backend::File(_) => unreachable!("no server"),
     }
@@ -74,15 +78,18 @@ fn port_of(backend: &Backend) -> u16 {
 fn url_via(backend: &Backend, port: u16) -> String {
     match backend {
         Backend::Mysql(db) => db.url_with_port(port),
+        Backend::Postgres(db) => db.url_with_port(port),
         Backend::Redis(_) => format!("redis://127.0.0.1:{port}"),
         Backend::File(_) => unreachable!("no server"),
     }
 }
 
-fn server_pid(backend: &Backend) -> i32 {
+/// Sends `signal` to every process of the server (PostgreSQL runs one per session).
+fn signal_server(backend: &Backend, signal: i32) {
     match backend {
-        Backend::Mysql(db) => db.pid(),
-        Backend::Redis(redis) => redis.pid(),
+        Backend::Mysql(db) => send(db.pid(), signal),
+        Backend::Postgres(db) => db.signal_all(signal),
+        Backend::Redis(redis) => send(redis.pid(), signal),
         Backend::File(_) => unreachable!("no server"),
     }
 }
@@ -166,21 +173,27 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
         Fault::TreeFreeze => cgroup.as_ref().unwrap().freeze(),
         Fault::ServerKill => match &mut backend {
             Backend::Mysql(db) => db.kill9(),
+            Backend::Postgres(db) => db.kill9(),
             Backend::Redis(redis) => redis.kill9(),
             Backend::File(_) => unreachable!(),
         },
-        Fault::ServerFreeze => send(server_pid(&backend), 19),
+        Fault::ServerFreeze => signal_server(&backend, 19),
         Fault::ServerRestart => match &mut backend {
             Backend::Mysql(db) => db.restart(),
+            Backend::Postgres(db) => db.restart(),
             Backend::Redis(redis) => redis.restart(),
             Backend::File(_) => unreachable!(),
         },
-        Fault::ConnectionKill => {
-            let Backend::Mysql(db) = &backend else {
-                unreachable!()
-            };
-            db.sql(&format!("KILL {}", db.holder_of("matrix").expect("held")));
-        }
+        Fault::ConnectionKill => match &backend {
+            Backend::Mysql(db) => {
+                db.sql(&format!("KILL {}", db.holder_of("matrix").expect("held")));
+            }
+            Backend::Postgres(db) => {
+                let pid = db.holder_of("matrix").expect("held");
+                db.sql(&format!("SELECT pg_terminate_backend({pid})"));
+            }
+            _ => unreachable!(),
+        },
         Fault::ClientKill => {
             let Backend::Redis(redis) = &backend else {
                 unreachable!()
@@ -240,9 +253,10 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
     );
     // Heal what can be healed, so the standby can show whether it takes over.
     match fault {
-        Fault::ServerFreeze => send(server_pid(&backend), 18),
+        Fault::ServerFreeze => signal_server(&backend, 18),
         Fault::ServerKill => match &mut backend {
             Backend::Mysql(db) => db.restart(),
+            Backend::Postgres(db) => db.restart(),
             Backend::Redis(redis) => redis.restart(),
             Backend::File(_) => unreachable!(),
         },
@@ -307,11 +321,11 @@ fn ms(d: Duration) -> String {
     format!("{}ms", d.as_millis())
 }
 
-/// Runs the rounds for each backend and records the row: `| fault | mysql | redis | file |`, each
+/// Runs the rounds for each backend and records the row: `| fault | mysql | postgres | redis | file |`, each
 /// cell `overlaps/orphans, detect, takeover`.
 fn row(fault: Fault, label: &str, cells: &[(Kind, Expect)]) {
     let mut columns = Vec::new();
-    for kind in [Kind::Mysql, Kind::Redis, Kind::File] {
+    for kind in [Kind::Mysql, Kind::Postgres, Kind::Redis, Kind::File] {
         let Some((_, expect)) = cells.iter().find(|(k, _)| *k == kind) else {
             columns.push("n/a".to_owned());
             continue;
@@ -344,6 +358,7 @@ fn guard_sigkill() {
         "guard SIGKILL",
         &[
             (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Postgres, STOPS_AND_HANDS_OVER),
             (Kind::Redis, STOPS_AND_HANDS_OVER),
             (Kind::File, STOPS_AND_HANDS_OVER),
         ],
@@ -358,6 +373,7 @@ fn guard_frozen() {
         "guard SIGSTOP",
         &[
             (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Postgres, STOPS_AND_HANDS_OVER),
             (Kind::Redis, STOPS_AND_HANDS_OVER),
         ],
     );
@@ -372,6 +388,7 @@ fn whole_tree_frozen() {
         "whole tree frozen (cgroup freezer) past the lock's life; detect counted from the thaw",
         &[
             (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Postgres, STOPS_AND_HANDS_OVER),
             (Kind::Redis, STOPS_AND_HANDS_OVER),
         ],
     );
@@ -384,6 +401,7 @@ fn server_sigkill_then_restart() {
         "server SIGKILL, restarted",
         &[
             (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Postgres, STOPS_AND_HANDS_OVER),
             (Kind::Redis, STOPS_AND_HANDS_OVER),
         ],
     );
@@ -396,6 +414,7 @@ fn server_frozen_then_resumed() {
         "server SIGSTOP, resumed",
         &[
             (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Postgres, STOPS_AND_HANDS_OVER),
             (Kind::Redis, STOPS_AND_HANDS_OVER),
         ],
     );
@@ -408,6 +427,7 @@ fn server_restart() {
         "server restart (Redis: empty)",
         &[
             (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Postgres, STOPS_AND_HANDS_OVER),
             (Kind::Redis, STOPS_AND_HANDS_OVER),
         ],
     );
@@ -417,8 +437,11 @@ fn server_restart() {
 fn connection_killed() {
     row(
         Fault::ConnectionKill,
-        "`KILL <conn>`",
-        &[(Kind::Mysql, STOPS_AND_HANDS_OVER)],
+        "`KILL <conn>` / `pg_terminate_backend`",
+        &[
+            (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Postgres, STOPS_AND_HANDS_OVER),
+        ],
     );
 }
 
@@ -488,6 +511,7 @@ fn network_partition() {
         "network partition",
         &[
             (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Postgres, STOPS_AND_HANDS_OVER),
             (Kind::Redis, STOPS_AND_HANDS_OVER),
         ],
     );

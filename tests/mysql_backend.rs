@@ -5,18 +5,12 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::mariadb::{MariaDb, PASSWORD};
-use common::proxy::Proxy;
+use common::proxy::assert_partition_stops_the_app_before_the_server_frees_the_lock;
 use common::*;
 
 const SIGKILL: i32 = 9;
 const SIGSTOP: i32 = 19;
 const SIGCONT: i32 = 18;
-
-fn args<'a>(url: &'a str, name: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut v = vec!["--url", url, "--name", name];
-    v.extend(fast_with(extra));
-    v
-}
 
 #[test]
 fn second_instance_exits_1_names_the_holder_and_never_starts_its_app() {
@@ -25,14 +19,14 @@ fn second_instance_exits_1_names_the_holder_and_never_starts_its_app() {
     let url = db.url();
     let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
     let mut first = lab.spawn(
-        &args(&url, "billing", &[]),
+        &lock_args(&url, "billing", &[]),
         &as_strs(&recording_app(&trace, &pidfile)),
     );
     read_pid(&pidfile, Duration::from_secs(10));
 
     let marker = lab.path("second-ran");
     let (code, log) = lab.run(
-        &args(&url, "billing", &[]),
+        &lock_args(&url, "billing", &[]),
         &["sh", "-c", &format!("touch {}", marker.display())],
         Duration::from_secs(10),
     );
@@ -67,7 +61,7 @@ fn sigkill_of_the_guard_kills_the_app_and_frees_the_lock() {
     let url = db.url();
     let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
     let mut guard = lab.spawn(
-        &args(&url, "sigkill", &[]),
+        &lock_args(&url, "sigkill", &[]),
         &as_strs(&recording_app(&trace, &pidfile)),
     );
     let app = read_pid(&pidfile, Duration::from_secs(10));
@@ -95,12 +89,12 @@ fn a_sigkilled_guards_lock_is_free_at_once_whatever_the_check_interval() {
     let trace = lab.path("trace");
     let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
     let mut leader = lab.spawn(
-        &args(&url, "orphaned", &["--check-interval", "30s"]),
+        &lock_args(&url, "orphaned", &["--check-interval", "30s"]),
         &as_strs(&recording_app(&trace, &lead_pid)),
     );
     let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
     let mut standby = lab.spawn(
-        &args(&url, "orphaned", &["--wait"]),
+        &lock_args(&url, "orphaned", &["--wait"]),
         &as_strs(&recording_app(&trace, &standby_pid)),
     );
     assert!(wait_until(Duration::from_secs(5), || standby
@@ -137,7 +131,7 @@ fn assert_fault_stops_app_fast(db: &mut MariaDb, name: &str, fault: impl FnOnce(
     let url = db.url();
     let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
     let mut guard = lab.spawn(
-        &args(&url, name, &["--check-interval", "30s"]),
+        &lock_args(&url, name, &["--check-interval", "30s"]),
         &as_strs(&recording_app(&trace, &pidfile)),
     );
     let app = read_pid(&pidfile, Duration::from_secs(10));
@@ -188,76 +182,20 @@ fn sigkilled_server_stops_the_app_with_exit_75() {
 #[test]
 fn silent_partition_stops_the_app_before_the_server_frees_the_lock() {
     let db = MariaDb::start();
-    let proxy = Proxy::start(db.port);
-    let mut lab = Lab::new();
-    let proxied = db.url_with_port(proxy.port);
-    let direct = db.url();
-    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
-    let mut guard = lab.spawn(
-        &args(&proxied, "partition", &[]),
-        &as_strs(&recording_app(&trace, &pidfile)),
-    );
-    let app = read_pid(&pidfile, Duration::from_secs(10));
-
-    let partitioned = Instant::now();
-    proxy.partition();
-    // While the first app lives, a guard that reaches the server directly must be refused.
-    while alive(app) {
-        let (code, log) = lab.run(
-            &args(&direct, "partition", &[]),
-            &["true"],
-            Duration::from_secs(10),
-        );
-        if alive(app) {
-            assert_eq!(
-                code, 1,
-                "a second guard acquired while the first app was alive: {log}"
-            );
-        }
-        assert!(
-            partitioned.elapsed() < Duration::from_secs(5),
-            "app not stopped within detection + grace"
-        );
-    }
-    // Detection bound is check-interval 200ms + check-timeout 800ms; the app traps TERM at once.
-    let stopped = partitioned.elapsed();
-    assert!(
-        stopped < Duration::from_millis(2500),
-        "app stopped only after {stopped:?}"
-    );
-    assert_eq!(guard.code(Duration::from_secs(10)), 75);
-    assert!(
-        guard.log_text().contains("reason=check_timeout"),
-        "{}",
-        guard.log_text()
-    );
-
-    // The server frees the silent connection's lock after wait_timeout = ceil(0.2+0.8+2+5) = 8s.
-    let freed = wait_until(Duration::from_secs(20), || {
-        db.holder_of("partition").is_none()
-    });
-    assert!(freed, "the server kept the lock of a partitioned guard");
-    let freed_after = partitioned.elapsed();
-    assert!(
-        freed_after >= Duration::from_secs(7),
-        "server freed the lock after only {freed_after:?}"
+    assert_partition_stops_the_app_before_the_server_frees_the_lock(
+        db.port,
+        |port| db.url_with_port(port),
+        "partition",
+        || db.holder_of("partition").is_some(),
     );
 }
 
 #[test]
 fn wrong_password_exits_69_and_never_prints_the_password() {
     let db = MariaDb::start();
-    let mut lab = Lab::new();
     let wrong = "not-the-pw-9c1f";
     let url = format!("mysql://guard:{wrong}@127.0.0.1:{}/mysql", db.port);
-    let (code, log) = lab.run(&args(&url, "auth", &[]), &["true"], Duration::from_secs(10));
-    assert_eq!(code, 69, "{log}");
-    assert!(log.contains("Access denied"), "{log}");
-    assert!(
-        !log.contains(wrong) && !log.contains(PASSWORD),
-        "password leaked: {log}"
-    );
-    assert!(log.contains("guard:***@"), "{log}");
+    assert_wrong_password_exits_69_unprinted(&url, wrong, PASSWORD, "Access denied");
 }
 
 #[test]
@@ -267,7 +205,7 @@ fn read_only_server_is_refused_with_69() {
     let mut lab = Lab::new();
     let marker = lab.path("ran");
     let (code, log) = lab.run(
-        &args(&db.url(), "replica", &[]),
+        &lock_args(&db.url(), "replica", &[]),
         &["touch", marker.to_str().unwrap()],
         Duration::from_secs(10),
     );
@@ -283,7 +221,7 @@ fn sigstopped_server_is_a_check_timeout() {
     let url = db.url();
     let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
     let mut guard = lab.spawn(
-        &args(&url, "paused", &[]),
+        &lock_args(&url, "paused", &[]),
         &as_strs(&recording_app(&trace, &pidfile)),
     );
     let app = read_pid(&pidfile, Duration::from_secs(10));

@@ -11,12 +11,26 @@ use std::time::Duration;
 
 use common::endpoints::Metrics;
 use common::mariadb::MariaDb;
+use common::postgres::Postgres;
 use common::redis::Redis;
 use common::{
     as_strs, assert_no_overlap, free_port, trace_lines, wait_until, Backend, GuardProcess, Lab,
 };
 
 const LONG: Duration = Duration::from_secs(30);
+/// Debian's `libfaketime` (the `faketime` package).
+const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+
+/// A private PostgreSQL whose guard account may create the windows table (PostgreSQL 15 lets no
+/// one but the owner create in `public`).
+fn postgres_granted() -> Postgres {
+    let db = Postgres::start();
+    db.sql(&format!(
+        "GRANT CREATE ON SCHEMA public TO {}",
+        common::postgres::USER
+    ));
+    db
+}
 
 /// One `#[test]` per backend for a check that takes the backend.
 macro_rules! on_backends {
@@ -32,23 +46,27 @@ macro_rules! on_backends {
 
 on_backends!(each_window_exactly_once:
     three_replicas_run_each_window_exactly_once_on_mysql => Backend::Mysql(MariaDb::start()),
+    three_replicas_run_each_window_exactly_once_on_postgres => Backend::Postgres(postgres_granted()),
     three_replicas_run_each_window_exactly_once_on_redis => Backend::Redis(Redis::start()),
     three_replicas_run_each_window_exactly_once_on_file => Backend::File(Lab::new()),
 );
 
 on_backends!(a_claimed_window_is_never_run_again:
     a_claimed_window_is_never_run_again_on_mysql => Backend::Mysql(MariaDb::start()),
+    a_claimed_window_is_never_run_again_on_postgres => Backend::Postgres(postgres_granted()),
     a_claimed_window_is_never_run_again_on_redis => Backend::Redis(Redis::start()),
     a_claimed_window_is_never_run_again_on_file => Backend::File(Lab::new()),
 );
 
 on_backends!(skewed_clocks_do_not_matter:
     skewed_clocks_still_run_each_window_once_on_mysql => Backend::Mysql(MariaDb::start()),
+    skewed_clocks_still_run_each_window_once_on_postgres => Backend::Postgres(postgres_granted()),
     skewed_clocks_still_run_each_window_once_on_redis => Backend::Redis(Redis::start()),
 );
 
 on_backends!(a_long_run_makes_the_next_windows_busy:
     a_long_run_makes_the_next_windows_busy_on_mysql => Backend::Mysql(MariaDb::start()),
+    a_long_run_makes_the_next_windows_busy_on_postgres => Backend::Postgres(postgres_granted()),
     a_long_run_makes_the_next_windows_busy_on_redis => Backend::Redis(Redis::start()),
     a_long_run_makes_the_next_windows_busy_on_file => Backend::File(Lab::new()),
 );
@@ -201,18 +219,32 @@ fn skewed_clocks_do_not_matter(backend: &Backend) {
     let app = job(&lab, "0.2");
     let mut guards = Vec::new();
     for skew in ["+90s", "-90s"] {
-        let mut cmd = common::launched_by(
-            &lab.command(&args, &as_strs(&app)),
-            "faketime",
-            &["-f", skew],
-        );
-        // The wall clock is skewed; the monotonic clocks a host keeps are not.
-        cmd.env("DONT_FAKE_MONOTONIC", "1");
+        // libfaketime preloaded directly: the `faketime` wrapper's semaphore, named after its pid,
+        // is left behind by a killed wrapper and refuses a later one that reuses the pid.
+        let mut cmd = lab.command(&args, &as_strs(&app));
+        cmd.env("LD_PRELOAD", LIBFAKETIME)
+            .env("FAKETIME", skew)
+            // The wall clock is skewed; the monotonic clocks a host keeps are not.
+            .env("DONT_FAKE_MONOTONIC", "1");
         guards.push(lab.start(cmd));
     }
     guards.push(lab.spawn(&args, &as_strs(&app)));
     consecutive_windows_each_run_once(&lab, &guards);
-    // The skewed replicas took part: each decided windows, with the server's numbers.
+    // The skewed replicas' clocks really were skewed (their log lines are stamped by them)...
+    for (guard, skew) in guards.iter().zip([90.0, -90.0]) {
+        let text = guard.log_text();
+        let stamp = text.split_whitespace().next().expect("a log line");
+        let logged = humantime::parse_rfc3339(stamp).expect("an RFC 3339 time");
+        let ahead = match logged.duration_since(std::time::SystemTime::now()) {
+            Ok(ahead) => ahead.as_secs_f64(),
+            Err(behind) => -behind.duration().as_secs_f64(),
+        };
+        assert!(
+            (ahead - skew).abs() < 60.0,
+            "skew {skew}s, log stamped {ahead:.0}s off: {text}"
+        );
+    }
+    // ...and they took part: each decided windows, with the server's numbers.
     for guard in &guards[..2] {
         assert!(
             guard.log_text().contains("window_decision"),
@@ -372,4 +404,30 @@ fn mysql_user_without_create_is_given_the_sql() {
     }
     assert!(runs_per_window(&lab).is_empty());
     assert!(!Path::new(&lab.path("trace")).exists());
+}
+
+/// PostgreSQL 15's default: only the schema's owner creates tables in `public`. The guard's account
+/// is told the statement to run once, and the grants.
+#[test]
+fn postgres_user_without_create_is_given_the_sql() {
+    let db = Postgres::start();
+    let url = db.url();
+    let mut lab = Lab::new();
+    let app = job(&lab, "0");
+    let (code, log) = lab.run(
+        &["--url", &url, "--name", "nocreate", "--once-per", "30d"],
+        &as_strs(&app),
+        LONG,
+    );
+    assert_eq!(code, 69, "{log}");
+    assert!(
+        log.contains("CREATE TABLE IF NOT EXISTS sentinel_guard_windows"),
+        "{log}"
+    );
+    assert!(
+        log.contains("GRANT SELECT, INSERT, UPDATE, DELETE"),
+        "{log}"
+    );
+    assert!(!log.contains(common::postgres::PASSWORD), "{log}");
+    assert!(runs_per_window(&lab).is_empty());
 }

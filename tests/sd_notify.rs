@@ -124,3 +124,24 @@ fn a_notification_socket_nobody_listens_on_changes_nothing() {
     let log = guard.log_text();
     assert_eq!(log.matches("notify_failed").count(), 1, "{log}");
 }
+
+#[test]
+fn a_full_notification_socket_never_holds_the_guard_up() {
+    let mut lab = Lab::new();
+    let path = lab.path("full.sock");
+    let listener = UnixDatagram::bind(&path).unwrap();
+    // Fill the listener's queue until a send would block: a systemd that stopped reading.
+    let filler = UnixDatagram::unbound().unwrap();
+    filler.set_nonblocking(true).unwrap();
+    while filler.send_to(&[b'x'; 512], &path).is_ok() {}
+    let url = lab.file_url("full.lock");
+    let mut cmd = lab.command(&["--url", &url, "--name", "full"], &["sh", "-c", "exit 5"]);
+    cmd.env("NOTIFY_SOCKET", &path);
+    let started = Instant::now();
+    let mut guard = lab.start(cmd);
+    assert_eq!(guard.code(LIMIT), 5, "{}", guard.log_text());
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let log = guard.log_text();
+    assert_eq!(log.matches("notify_failed").count(), 1, "{log}");
+    drop(listener);
+}

@@ -129,3 +129,44 @@ fn a_ca_file_that_cannot_apply_is_a_usage_error_before_any_connection() {
         );
     }
 }
+
+/// The watchdog of a SIGKILLed guard ends its MySQL session over TLS with the same --ca-file, so a
+/// standby takes over in well under the check interval the server would otherwise need, and only
+/// once the killed guard's app is dead.
+#[test]
+fn the_watchdog_of_a_killed_guard_frees_a_tls_lock_with_the_ca_file() {
+    let db = MariaDb::start_tls();
+    let mut lab = Lab::new();
+    let url = tls_url(&db);
+    let ca = db.ca_cert();
+    let args = [
+        "--url",
+        &url,
+        "--name",
+        "tls-farewell",
+        "--ca-file",
+        ca.to_str().unwrap(),
+        "--check-interval",
+        "30s",
+    ];
+    let trace = lab.path("trace");
+    let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
+    let leader = lab.spawn(&args, &as_strs(&recording_app(&trace, &lead_pid)));
+    let lead_app = read_pid(&lead_pid, LIMIT);
+    let mut standby = waiting_standby(
+        &mut lab,
+        &args,
+        &as_strs(&recording_app(&trace, &standby_pid)),
+    );
+    let killed = std::time::Instant::now();
+    send(leader.pid(), 9);
+    read_pid(&standby_pid, LIMIT);
+    assert!(!alive(lead_app), "the killed guard's app outlived its lock");
+    assert!(
+        killed.elapsed() < Duration::from_secs(10),
+        "takeover took {:?}: the farewell did not end the session",
+        killed.elapsed()
+    );
+    standby.signal(15);
+    assert_eq!(standby.code(LIMIT), 0, "{}", standby.log_text());
+}

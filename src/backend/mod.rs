@@ -3,12 +3,15 @@
 //! Each backend proves ownership its own way (a MySQL connection that holds `GET_LOCK`, a `flock`ed
 //! file), but callers only see `Acquisition`, `HeldLock::lost` and `HeldLock::release`.
 
+mod farewell;
 mod file;
 mod mysql;
+mod postgres;
 mod redis;
 mod watched;
 
 use std::fmt;
+use std::future::Future;
 use std::time::Duration;
 
 use thiserror::Error;
@@ -161,6 +164,19 @@ impl Contention<'_> {
             .is_none_or(|at| at.elapsed() >= WAIT_LOG_EVERY)
     }
 
+    /// How long the next server-side wait for the lock (MySQL `GET_LOCK`, PostgreSQL
+    /// `pg_advisory_lock`) may last: none while the "still waiting" line is due, so a standby names
+    /// the holder at once; else a chunk of at most 2s, so patience and the session's health are
+    /// re-checked regularly. The server grants a waiter the lock the moment it is free.
+    pub fn next_wait(&self, patience: Patience) -> Duration {
+        const CHUNK: Duration = Duration::from_secs(2);
+        if self.log_due() {
+            Duration::ZERO
+        } else {
+            patience.cap(CHUNK)
+        }
+    }
+
     pub fn waiting(&mut self, holder: &HolderInfo) {
         self.count();
         self.last_log = Some(Instant::now());
@@ -210,6 +226,34 @@ impl Backoff {
     }
 }
 
+/// Reopens the session of a standby whose own session failed, with backoff, until patience runs out;
+/// at start (no patience) and on an unsafe server, the error is final: fail closed.
+pub async fn reopen<S, F, Fut>(
+    mut error: LockError,
+    patience: Patience,
+    backoff: &mut Backoff,
+    mut open: F,
+) -> Result<S, LockError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<S, LockError>>,
+{
+    if patience == Patience::None || matches!(error, LockError::Unsafe(_)) {
+        return Err(error);
+    }
+    loop {
+        if patience.exhausted() {
+            return Err(error);
+        }
+        backoff.pause(&error, patience).await;
+        match open().await {
+            Ok(session) => return Ok(session),
+            Err(unsafe_server @ LockError::Unsafe(_)) => return Err(unsafe_server),
+            Err(e) => error = e,
+        }
+    }
+}
+
 /// What every backend needs to know to take the lock.
 pub struct LockRequest<'a> {
     pub name: &'a LockName,
@@ -225,6 +269,7 @@ pub struct LockRequest<'a> {
 pub async fn acquire(target: &Target, request: &LockRequest<'_>) -> Result<Acquisition, LockError> {
     match target {
         Target::Mysql(mysql) => mysql::acquire(mysql, request).await,
+        Target::Postgres(postgres) => postgres::acquire(postgres, request).await,
         Target::Redis(redis) => redis::acquire(redis, request).await,
         Target::File(path) => file::acquire(path, request).await,
     }
@@ -240,6 +285,7 @@ pub async fn status(
 ) -> Result<Option<HolderInfo>, LockError> {
     match target {
         Target::Mysql(mysql) => mysql::status(mysql, name, connect, answer).await,
+        Target::Postgres(postgres) => postgres::status(postgres, name, connect, answer).await,
         Target::Redis(redis) => redis::status(redis, name, connect, answer).await,
         Target::File(path) => file::status(path),
     }
@@ -250,6 +296,7 @@ pub async fn status(
 pub async fn server_clock(target: &Target, timings: &Timings) -> Result<UnixMicros, LockError> {
     match target {
         Target::Mysql(mysql) => mysql::server_clock(mysql, timings).await,
+        Target::Postgres(postgres) => postgres::server_clock(postgres, timings).await,
         Target::Redis(redis) => redis::server_clock(redis, timings).await,
         Target::File(_) => Ok(crate::window::local_now()),
     }
@@ -265,6 +312,7 @@ pub async fn last_claim(
 ) -> Result<Option<Claim>, LockError> {
     match target {
         Target::Mysql(mysql) => mysql::last_claim(mysql, name, connect, answer).await,
+        Target::Postgres(postgres) => postgres::last_claim(postgres, name, connect, answer).await,
         Target::Redis(redis) => redis::last_claim(redis, name, connect, answer).await,
         Target::File(path) => Ok(file::last_claim(path)),
     }
@@ -291,8 +339,18 @@ pub struct ClaimRequest<'a> {
     pub timings: &'a Timings,
 }
 
+/// The lock's key on the backend where it differs from its name: PostgreSQL's advisory lock key,
+/// which a DBA looks for in `pg_locks`.
+pub fn lock_key(target: &Target, name: &LockName) -> Option<i64> {
+    match target {
+        Target::Postgres(_) => Some(postgres::lock_key(name)),
+        Target::Mysql(_) | Target::Redis(_) | Target::File(_) => None,
+    }
+}
+
 pub enum HeldLock {
     Mysql(mysql::MysqlLock),
+    Postgres(postgres::PostgresLock),
     Redis(redis::RedisLock),
     File(file::FileLock),
 }
@@ -303,7 +361,7 @@ impl HeldLock {
     pub fn previous_release_was_clean(&self) -> bool {
         match self {
             HeldLock::Redis(lock) => lock.previous_release_was_clean(),
-            HeldLock::Mysql(_) | HeldLock::File(_) => false,
+            HeldLock::Mysql(_) | HeldLock::Postgres(_) | HeldLock::File(_) => false,
         }
     }
 
@@ -312,19 +370,24 @@ impl HeldLock {
     /// file lock: the kernel keeps a frozen guard's flock, so no one else can take it meanwhile.
     pub fn app_deadline(&self) -> Option<tokio::sync::watch::Receiver<Deadline>> {
         match self {
-            HeldLock::Mysql(lock) => Some(lock.app_deadline()),
+            HeldLock::Mysql(mysql::MysqlLock { session: lock, .. })
+            | HeldLock::Postgres(postgres::PostgresLock { session: lock, .. }) => {
+                Some(lock.app_deadline())
+            }
             HeldLock::Redis(lock) => Some(lock.app_deadline()),
             HeldLock::File(_) => None,
         }
     }
 
     /// What the watchdog does for this lock if the guard dies holding it, once the app is gone:
-    /// MySQL keeps a dead client's lock until it notices (the watchdog ends the session); a file
+    /// MySQL and PostgreSQL keep a dead client's lock until they notice (the watchdog ends the
+    /// session); a file
     /// lock would be freed by the kernel the moment the guard dies (the watchdog keeps a copy of the
     /// descriptor until then). A Redis lease needs nothing: it expires on the server's schedule.
     pub fn farewell(&self) -> Farewell<'_> {
         match self {
-            HeldLock::Mysql(lock) => lock.farewell(),
+            HeldLock::Mysql(mysql::MysqlLock { session: lock, .. })
+            | HeldLock::Postgres(postgres::PostgresLock { session: lock, .. }) => lock.farewell(),
             HeldLock::File(lock) => lock.farewell(),
             HeldLock::Redis(_) => Farewell::none(),
         }
@@ -337,7 +400,13 @@ impl HeldLock {
                 "SENTINEL_GUARD_FENCING_TOKEN",
                 lock.fencing_token().to_string(),
             )],
-            HeldLock::Mysql(_) | HeldLock::File(_) => Vec::new(),
+            HeldLock::Mysql(mysql::MysqlLock { session: lock, .. })
+            | HeldLock::Postgres(postgres::PostgresLock { session: lock, .. }) => lock
+                .fencing_token()
+                .map(|token| ("SENTINEL_GUARD_FENCING_TOKEN", token.to_string()))
+                .into_iter()
+                .collect(),
+            HeldLock::File(_) => Vec::new(),
         }
     }
 
@@ -345,7 +414,10 @@ impl HeldLock {
     /// is started, so it never starts on a lock that is gone, nor on one whose deadline has passed.
     pub fn known_lost(&self) -> Option<LockLoss> {
         let reported = match self {
-            HeldLock::Mysql(lock) => lock.reported_loss(),
+            HeldLock::Mysql(mysql::MysqlLock { session: lock, .. })
+            | HeldLock::Postgres(postgres::PostgresLock { session: lock, .. }) => {
+                lock.reported_loss()
+            }
             HeldLock::Redis(lock) => lock.reported_loss(),
             HeldLock::File(_) => None,
         };
@@ -361,7 +433,8 @@ impl HeldLock {
     /// Resolves once the lock is no longer ours. Cancel-safe: may be polled again after a drop.
     pub async fn lost(&mut self) -> LockLoss {
         match self {
-            HeldLock::Mysql(lock) => lock.lost().await,
+            HeldLock::Mysql(mysql::MysqlLock { session: lock, .. })
+            | HeldLock::Postgres(postgres::PostgresLock { session: lock, .. }) => lock.lost().await,
             HeldLock::Redis(lock) => lock.lost().await,
             HeldLock::File(lock) => lock.lost().await,
         }
@@ -372,6 +445,7 @@ impl HeldLock {
     pub async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
         match self {
             HeldLock::Mysql(lock) => lock.claim(request).await,
+            HeldLock::Postgres(lock) => lock.claim(request).await,
             HeldLock::Redis(lock) => lock.claim(request).await,
             HeldLock::File(lock) => lock.claim(request),
         }
@@ -385,18 +459,9 @@ impl HeldLock {
     ) -> Result<(), LockError> {
         match self {
             HeldLock::Mysql(lock) => lock.record_end(request, exit_code).await,
+            HeldLock::Postgres(lock) => lock.record_end(request, exit_code).await,
             HeldLock::Redis(lock) => lock.record_end(request, exit_code).await,
             HeldLock::File(lock) => lock.record_end(request, exit_code),
-        }
-    }
-
-    /// Says the lock will be given back once the app's tree is gone, so the backend can get ready
-    /// while the tree is torn down: MySQL opens the side connection that ends its check's `SLEEP`.
-    /// Never blocks, so it may come before the first signal of a teardown.
-    pub fn release_coming(&self) {
-        match self {
-            HeldLock::Mysql(lock) => lock.release_coming(),
-            HeldLock::Redis(_) | HeldLock::File(_) => {}
         }
     }
 
@@ -413,7 +478,10 @@ impl HeldLock {
 
     async fn give_back(self) -> Result<(), LockError> {
         match self {
-            HeldLock::Mysql(lock) => lock.release().await,
+            HeldLock::Mysql(mysql::MysqlLock { session: lock, .. })
+            | HeldLock::Postgres(postgres::PostgresLock { session: lock, .. }) => {
+                lock.release().await
+            }
             HeldLock::Redis(lock) => lock.release().await,
             HeldLock::File(lock) => lock.release(),
         }
@@ -423,5 +491,10 @@ impl HeldLock {
 /// Runs, in the watchdog of a guard that died holding a lock, the farewell message the backend
 /// handed it (see `HeldLock::farewell`).
 pub fn say_farewell(message: &[u8]) -> Result<String, String> {
-    mysql::say_farewell(message)
+    let farewell = farewell::SessionFarewell::decode(message)
+        .ok_or_else(|| "the farewell message is not one this program writes".to_owned())?;
+    match farewell.server {
+        farewell::Server::Mysql => mysql::end_session(&farewell),
+        farewell::Server::Postgres => postgres::end_session(&farewell),
+    }
 }

@@ -6,35 +6,29 @@
 //! - between ownership checks a server-side `SLEEP` is always outstanding, so a `KILL` of the connection
 //!   or a dead server is seen the instant the socket closes, not at the next check.
 
-use std::ffi::OsStr;
-use std::os::unix::ffi::OsStrExt;
-use std::path::PathBuf;
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, OptsBuilder};
-use tokio::sync::oneshot::error::TryRecvError;
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
-use super::watched::{WatchedLock, WatcherEnds};
+use super::farewell::{Server, SessionFarewell};
+use super::watched::{CheckTiming, SessionLock, SessionWatcher, Verdict};
 use super::{
-    connect_failure, Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock,
-    HolderInfo, LockError, LockLoss, LockRequest, LossReason, Patience,
+    connect_failure, reopen, Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock,
+    HolderInfo, LockError, LockRequest,
 };
-use crate::config::{CaFile, LockName, MysqlTarget, SecretUrl, Target, Timings};
+use crate::config::{LockName, MysqlTarget, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
-use crate::metrics::{CheckOutcome, Checks};
-use crate::supervisor::watchdog::Farewell;
 use crate::window::{Claim, RunEnd, UnixMicros};
 
 /// Server error codes that mean the server ended our session rather than refused one statement.
 const ER_SERVER_SHUTDOWN: u16 = 1053;
 const ER_CONNECTION_KILLED: u16 = 1927;
-/// The longest single server-side wait of a standby, so patience and the session's health are
-/// re-checked regularly.
-const WAIT_CHUNK: Duration = Duration::from_secs(2);
 /// How often the side connection repeats `KILL QUERY` until the check answers.
 const INTERRUPT_RETRY: Duration = Duration::from_millis(20);
 /// How long the guard waits for a side connection that interrupts its own `SLEEP` at release.
@@ -75,7 +69,7 @@ async fn open_session(target: &MysqlTarget, timings: &Timings) -> Result<Conn, L
     let mut conn = connect(target, timings.connect_timeout).await?;
     let bounded = timings.connect_timeout;
     refuse_unsafe_server(&mut conn, target, bounded).await?;
-    let wanted = timings.mysql_wait_timeout_secs();
+    let wanted = timings.session_timeout_secs();
     timeout(
         bounded,
         conn.query_drop(format!("SET SESSION wait_timeout = {wanted}")),
@@ -139,14 +133,7 @@ pub async fn acquire(
     let mut contention = Contention::new(request.metrics);
     let mut backoff = Backoff::new();
     loop {
-        // The server queues waiters: GET_LOCK returns the moment the holder releases or its session
-        // ends. Waiting in chunks re-checks patience and notices a silent server. The first attempt
-        // does not wait, so a standby names the holder at once.
-        let chunk = if contention.log_due() {
-            Duration::ZERO
-        } else {
-            patience.cap(WAIT_CHUNK)
-        };
+        let chunk = contention.next_wait(patience);
         let sent = Deadline::now();
         let budget = chunk + timings.check_timeout;
         let got = timeout(
@@ -171,11 +158,11 @@ pub async fn acquire(
                 info!(
                     event = "lock_acquired",
                     connection_id = conn.id(),
-                    wait_timeout_secs = timings.mysql_wait_timeout_secs(),
+                    wait_timeout_secs = timings.session_timeout_secs(),
                     server_version = %version(&conn),
                     "mysql lock acquired"
                 );
-                return Ok(Acquisition::Acquired(HeldLock::Mysql(MysqlLock::watch(
+                return Ok(Acquisition::Acquired(HeldLock::Mysql(watch(
                     conn, target, request,
                 ))));
             }
@@ -198,22 +185,13 @@ pub async fn acquire(
             Ok(Err(e)) => setup_error(target, e),
             Err(_) => no_answer(target, "GET_LOCK", chunk + timings.check_timeout),
         };
-        // Fail closed at start; a standby whose own session failed reconnects with backoff.
-        if patience == Patience::None || matches!(error, LockError::Unsafe(_)) {
-            return Err(error);
-        }
-        let mut error = error;
-        conn = loop {
-            if patience.exhausted() {
-                return Err(error);
-            }
-            backoff.pause(&error, patience).await;
-            match open_session(target, timings).await {
-                Ok(conn) => break conn,
-                Err(unsafe_server @ LockError::Unsafe(_)) => return Err(unsafe_server),
-                Err(e) => error = e,
-            }
-        };
+        // Fail closed at start; a standby whose own session failed reconnects with backoff. Closing
+        // the failed session first gives back a lock it may have been granted.
+        drop(conn);
+        conn = reopen(error, patience, &mut backoff, || {
+            open_session(target, timings)
+        })
+        .await?;
     }
 }
 
@@ -333,11 +311,109 @@ async fn describe_connection(conn: &mut Conn, id: u64, limit: Duration) -> Holde
     }
 }
 
-/// A held `GET_LOCK`. A task owns the connection and keeps proving ownership until it is told to
+/// `KILL CONNECTION` of the dead guard's session, from a new session, if that session still holds
+/// the lock and runs the dead guard's check (see `SessionFarewell`). Run in the watchdog.
+pub fn end_session(farewell: &SessionFarewell) -> Result<String, String> {
+    let target = match farewell.target()? {
+        Target::Mysql(target) => target,
+        _ => return Err("not a mysql:// URL".to_owned()),
+    };
+    farewell.on_runtime(async {
+        let mut conn = connect(&target, farewell.timeout)
+            .await
+            .map_err(|e| e.to_string())?;
+        let result = end_on(farewell, &mut conn, &target).await;
+        let _ = timeout(farewell.timeout, conn.disconnect()).await;
+        result
+    })
+}
+
+async fn end_on(
+    farewell: &SessionFarewell,
+    conn: &mut Conn,
+    target: &MysqlTarget,
+) -> Result<String, String> {
+    let holder = holder_connection(conn, &farewell.name, farewell.timeout)
+        .await
+        .map_err(|e| match e {
+            Some(e) => target.url.scrub(e),
+            None => "no answer to IS_USED_LOCK".to_owned(),
+        })?;
+    if holder != Some(u64::from(farewell.session_id)) {
+        return Ok(format!(
+            "left connection {} alone: the lock is no longer held by it",
+            farewell.session_id
+        ));
+    }
+    // The same id could be a stranger's after a server restart; the dead guard's session is
+    // the one whose outstanding check names its holder id. A session with no query running
+    // ends on its own the moment its client's socket closes.
+    let info: Option<Option<String>> = timeout(
+        farewell.timeout,
+        conn.exec_first(
+            "SELECT INFO FROM information_schema.PROCESSLIST WHERE ID = ?",
+            (farewell.session_id,),
+        ),
+    )
+    .await
+    .map_err(|_| "no answer to the process list query".to_owned())?
+    .map_err(|e| target.url.scrub(e))?;
+    let ours = format!("holder_id={} ", farewell.holder_id);
+    if !info.flatten().is_some_and(|query| query.contains(&ours)) {
+        return Ok(format!(
+            "left connection {} alone: it is not running the dead guard's check",
+            farewell.session_id
+        ));
+    }
+    let kill = format!("KILL CONNECTION {}", farewell.session_id);
+    match timeout(farewell.timeout, conn.query_drop(kill)).await {
+        Err(_) => Err(format!(
+            "no answer within {}",
+            humantime::format_duration(farewell.timeout)
+        )),
+        Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_NO_SUCH_THREAD => Ok(format!(
+            "connection {} had already ended",
+            farewell.session_id
+        )),
+        Ok(Err(e)) => Err(target.url.scrub(e)),
+        Ok(Ok(())) => Ok(format!("ended connection {}", farewell.session_id)),
+    }
+}
+
+/// MariaDB's "Unknown thread id": the session had already ended.
+const ER_NO_SUCH_THREAD: u16 = 1094;
+
+/// A held `GET_LOCK`: a task owns the connection and keeps proving ownership until it is told to
 /// release or finds the lock gone.
+fn watch(conn: Conn, target: &MysqlTarget, request: &LockRequest<'_>) -> MysqlLock {
+    let farewell = SessionFarewell {
+        server: Server::Mysql,
+        url: target.secret.clone(),
+        session_id: conn.id(),
+        name: request.name.as_str().to_owned(),
+        holder_id: request.holder.id.clone(),
+        timeout: request.timings.connect_timeout,
+        ca_file: target.ca_file.clone(),
+    }
+    .encode();
+    let connection_id = conn.id();
+    let watcher = Watcher {
+        conn_id: conn.id(),
+        target: target.clone(),
+        check_sql: check_sql(request),
+        release_sql: format!("SELECT RELEASE_LOCK('{}')", request.name.as_str()),
+        timing: CheckTiming::of(request),
+    };
+    MysqlLock {
+        session: SessionLock::spawn(watcher, conn, farewell, None),
+        target: target.clone(),
+        connection_id,
+    }
+}
+
+/// A held `GET_LOCK`, and what scheduled runs need to claim windows under it.
 pub struct MysqlLock {
-    watched: WatchedLock,
-    farewell: Vec<u8>,
+    pub session: SessionLock,
     /// Where scheduled runs record their windows, on a connection of their own: the lock's
     /// connection is busy with the ownership check.
     target: MysqlTarget,
@@ -345,223 +421,7 @@ pub struct MysqlLock {
     connection_id: u32,
 }
 
-/// What the guard's watchdog needs to end the lock's session should the guard die holding it. The
-/// server notices a dead client only when the outstanding check's `SLEEP` ends, up to
-/// `--check-interval` later; ending the session frees the lock at once, so a standby takes over in
-/// milliseconds. The watchdog does it only after the app's process group is gone, and only if the
-/// lock is still held by that very session: after a server restart connection ids start again, and
-/// the id may by then belong to a stranger's session.
-struct SessionFarewell {
-    url: SecretUrl,
-    connection_id: u32,
-    name: String,
-    /// The dead guard's holder id, which its outstanding check query carries in a comment.
-    holder_id: String,
-    timeout: Duration,
-    /// `--ca-file`, read again when needed: a path fits the pipe, a CA bundle may not.
-    ca_file: Option<PathBuf>,
-}
-
-/// Tags a farewell message as MySQL's.
-const FAREWELL_TAG: u8 = b'm';
-
-impl SessionFarewell {
-    fn encode(&self) -> Vec<u8> {
-        let url = self.url.expose().as_bytes();
-        let mut bytes = vec![FAREWELL_TAG];
-        bytes.extend_from_slice(&self.connection_id.to_le_bytes());
-        let timeout_ms = u32::try_from(self.timeout.as_millis()).unwrap_or(u32::MAX);
-        bytes.extend_from_slice(&timeout_ms.to_le_bytes());
-        // Lock names (at most 64 bytes, validated) and holder ids (hex) fit one length byte.
-        for field in [&self.name, &self.holder_id] {
-            bytes.push(field.len() as u8);
-            bytes.extend_from_slice(field.as_bytes());
-        }
-        // A path longer than PATH_MAX (4096) cannot name a file anyway.
-        let ca = self
-            .ca_file
-            .as_deref()
-            .map_or(&[][..], |path| path.as_os_str().as_bytes());
-        let ca = &ca[..ca.len().min(usize::from(u16::MAX))];
-        bytes.extend_from_slice(&(ca.len() as u16).to_le_bytes());
-        bytes.extend_from_slice(ca);
-        bytes.extend_from_slice(url);
-        bytes
-    }
-
-    fn decode(bytes: &[u8]) -> Option<SessionFarewell> {
-        let (&tag, rest) = bytes.split_first()?;
-        if tag != FAREWELL_TAG || rest.len() < 9 {
-            return None;
-        }
-        let connection_id = u32::from_le_bytes(rest[0..4].try_into().ok()?);
-        let timeout_ms = u32::from_le_bytes(rest[4..8].try_into().ok()?);
-        let mut rest = &rest[8..];
-        let mut field = || {
-            let (&len, tail) = rest.split_first()?;
-            let value = std::str::from_utf8(tail.get(..usize::from(len))?).ok()?;
-            rest = &tail[usize::from(len)..];
-            Some(value.to_owned())
-        };
-        let name = field()?;
-        let holder_id = field()?;
-        let ca_len = usize::from(u16::from_le_bytes(rest.get(..2)?.try_into().ok()?));
-        let ca = rest.get(2..2 + ca_len)?;
-        let ca_file = (!ca.is_empty()).then(|| PathBuf::from(OsStr::from_bytes(ca)));
-        let url = std::str::from_utf8(&rest[2 + ca_len..]).ok()?;
-        Some(SessionFarewell {
-            url: SecretUrl::new(url.to_owned()),
-            connection_id,
-            name,
-            holder_id,
-            timeout: Duration::from_millis(u64::from(timeout_ms)),
-            ca_file,
-        })
-    }
-
-    /// `KILL CONNECTION` from a new session, if that session still holds the lock; on a runtime of
-    /// its own (the watchdog has none).
-    fn end(&self) -> Result<String, String> {
-        let trusted = |target: Target| match &self.ca_file {
-            Some(path) => CaFile::read(path).and_then(|ca| target.trusting(&ca)),
-            None => Ok(target),
-        };
-        let target = match Target::parse(self.url.expose(), "").and_then(trusted) {
-            Ok(Target::Mysql(target)) => target,
-            Ok(_) => return Err("not a mysql:// URL".to_owned()),
-            Err(e) => return Err(e.to_string()),
-        };
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())?;
-        runtime.block_on(async {
-            let mut conn = connect(&target, self.timeout)
-                .await
-                .map_err(|e| e.to_string())?;
-            let result = self.end_on(&mut conn, &target).await;
-            let _ = timeout(self.timeout, conn.disconnect()).await;
-            result
-        })
-    }
-
-    async fn end_on(&self, conn: &mut Conn, target: &MysqlTarget) -> Result<String, String> {
-        let holder = holder_connection(conn, &self.name, self.timeout)
-            .await
-            .map_err(|e| match e {
-                Some(e) => target.url.scrub(e),
-                None => "no answer to IS_USED_LOCK".to_owned(),
-            })?;
-        if holder != Some(u64::from(self.connection_id)) {
-            return Ok(format!(
-                "left connection {} alone: the lock is no longer held by it",
-                self.connection_id
-            ));
-        }
-        // The same id could be a stranger's after a server restart; the dead guard's session is
-        // the one whose outstanding check names its holder id. A session with no query running
-        // ends on its own the moment its client's socket closes.
-        let info: Option<Option<String>> = timeout(
-            self.timeout,
-            conn.exec_first(
-                "SELECT INFO FROM information_schema.PROCESSLIST WHERE ID = ?",
-                (self.connection_id,),
-            ),
-        )
-        .await
-        .map_err(|_| "no answer to the process list query".to_owned())?
-        .map_err(|e| target.url.scrub(e))?;
-        let ours = format!("holder_id={} ", self.holder_id);
-        if !info.flatten().is_some_and(|query| query.contains(&ours)) {
-            return Ok(format!(
-                "left connection {} alone: it is not running the dead guard's check",
-                self.connection_id
-            ));
-        }
-        let kill = format!("KILL CONNECTION {}", self.connection_id);
-        match timeout(self.timeout, conn.query_drop(kill)).await {
-            Err(_) => Err(format!(
-                "no answer within {}",
-                humantime::format_duration(self.timeout)
-            )),
-            Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_NO_SUCH_THREAD => Ok(format!(
-                "connection {} had already ended",
-                self.connection_id
-            )),
-            Ok(Err(e)) => Err(target.url.scrub(e)),
-            Ok(Ok(())) => Ok(format!("ended connection {}", self.connection_id)),
-        }
-    }
-}
-
-/// MariaDB's "Unknown thread id": the session had already ended.
-const ER_NO_SUCH_THREAD: u16 = 1094;
-
-/// Runs a farewell message made by `MysqlLock::farewell`, in the watchdog.
-pub fn say_farewell(message: &[u8]) -> Result<String, String> {
-    match SessionFarewell::decode(message) {
-        Some(farewell) => farewell.end(),
-        None => Err("the farewell message is not one this program writes".to_owned()),
-    }
-}
-
 impl MysqlLock {
-    fn watch(conn: Conn, target: &MysqlTarget, request: &LockRequest<'_>) -> MysqlLock {
-        let farewell = SessionFarewell {
-            url: target.secret.clone(),
-            connection_id: conn.id(),
-            name: request.name.as_str().to_owned(),
-            holder_id: request.holder.id.clone(),
-            timeout: request.timings.connect_timeout,
-            ca_file: target.ca_file.clone(),
-        }
-        .encode();
-        let watcher = Watcher {
-            conn_id: conn.id(),
-            target: target.clone(),
-            check_sql: check_sql(request),
-            release_sql: format!("SELECT RELEASE_LOCK('{}')", request.name.as_str()),
-            budget: request.timings.detection_bound(),
-            sleep: request.timings.check_interval,
-            grace: request.timings.grace_period,
-            checks: request.metrics.checks(),
-        };
-        let dead_by = Deadline::after(watcher.budget + watcher.grace);
-        MysqlLock {
-            connection_id: conn.id(),
-            target: target.clone(),
-            watched: WatchedLock::spawn(dead_by, |ends| watcher.run(conn, ends)),
-            farewell,
-        }
-    }
-
-    pub fn farewell(&self) -> Farewell<'_> {
-        Farewell {
-            message: self.farewell.clone(),
-            keep: None,
-        }
-    }
-
-    pub async fn lost(&mut self) -> LockLoss {
-        self.watched.lost().await
-    }
-
-    pub fn reported_loss(&self) -> Option<LockLoss> {
-        self.watched.reported_loss()
-    }
-
-    pub async fn release(self) -> Result<(), LockError> {
-        self.watched.release().await
-    }
-
-    pub fn release_coming(&self) {
-        self.watched.release_coming();
-    }
-
-    pub fn app_deadline(&self) -> tokio::sync::watch::Receiver<Deadline> {
-        self.watched.app_deadline()
-    }
-
     /// Claims the window on a session of its own (the lock's session is busy with its check).
     pub async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
         let timings = request.timings;
@@ -890,39 +750,12 @@ fn check_sql(request: &LockRequest<'_>) -> String {
     )
 }
 
-/// A side connection being opened in the background, to end the lock session's check at release.
-struct Interrupter(tokio::task::JoinHandle<Result<Conn, LockError>>);
-
-impl Interrupter {
-    fn open(target: MysqlTarget) -> Interrupter {
-        Interrupter(tokio::spawn(async move {
-            connect(&target, INTERRUPT_TIMEOUT).await
-        }))
-    }
-
-    async fn connected(mut self) -> Option<Conn> {
-        (&mut self.0).await.ok()?.ok()
-    }
-}
-
-impl Drop for Interrupter {
-    /// A release that needed no interruption leaves the side connection unused.
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 struct Watcher {
     conn_id: u32,
     target: MysqlTarget,
     check_sql: String,
     release_sql: String,
-    /// check-interval (the server-side sleep) + check-timeout.
-    budget: Duration,
-    /// The server-side sleep alone: not counted as the check's duration.
-    sleep: Duration,
-    grace: Duration,
-    checks: Checks,
+    timing: CheckTiming,
 }
 
 /// The row of `check_sql`, or why there is none.
@@ -931,106 +764,29 @@ type CheckResult = Result<
     tokio::time::error::Elapsed,
 >;
 
-enum Check {
-    Owned,
-    Lost(LockLoss),
-}
+impl SessionWatcher for Watcher {
+    type Conn = Conn;
+    type Answer = CheckResult;
 
-impl Watcher {
-    async fn run(self, mut conn: Conn, mut ends: WatcherEnds) -> Result<(), LockError> {
-        // The side connection that will end the check's `SLEEP` at release, opened as soon as a
-        // release is known to be coming, while the app's tree is still being torn down.
-        let mut side: Option<Interrupter> = None;
-        loop {
-            // If this check is not answered in time, the guard stops the app within the grace period.
-            // A release asked for between checks needs no sleep interrupted.
-            if !matches!(ends.release.try_recv(), Err(TryRecvError::Empty)) {
-                return self.release(conn).await;
-            }
-            let sent = Deadline::now();
-            ends.app_dead_by(sent + self.budget + self.grace);
-            let (check, releasing) = {
-                let check = timeout(
-                    self.budget,
-                    conn.query_first::<(Option<i64>, Option<i64>), _>(&self.check_sql),
-                );
-                tokio::pin!(check);
-                loop {
-                    tokio::select! {
-                        biased;
-                        // An answer counts only if it came within the budget of being sent: a guard
-                        // frozen past it reads a true answer about a moment that no longer holds.
-                        result = &mut check => break (self.judge(result, sent), false),
-                        _ = &mut ends.release => {
-                            let result = self.interrupt(check, side.take()).await;
-                            break (self.judge(result, sent), true);
-                        }
-                        () = ends.release_coming.wait(), if side.is_none() => {
-                            side = Some(Interrupter::open(self.target.clone()));
-                        }
-                    }
-                }
-            };
-            // An interrupted check says nothing about how fast the server answers.
-            if !releasing {
-                let outcome = match &check {
-                    Check::Owned => CheckOutcome::Ok,
-                    Check::Lost(loss) if loss.reason == LossReason::CheckTimeout => {
-                        CheckOutcome::Timeout
-                    }
-                    Check::Lost(_) => CheckOutcome::Error,
-                };
-                self.checks
-                    .record(outcome, sent.elapsed().saturating_sub(self.sleep));
-            }
-            match (check, releasing) {
-                (Check::Owned, false) => continue,
-                // Interrupting the check can fail it (the KILL QUERY may land on the check itself
-                // rather than its SLEEP); release all the same, which logs how the session ended.
-                (_, true) => return self.release(conn).await,
-                (Check::Lost(loss), false) => {
-                    let closed = loss.reason == LossReason::ConnectionClosed;
-                    ends.report(loss);
-                    if !closed {
-                        // Closing the session would free the lock on the server at once, while the
-                        // app may still be inside its grace period: the session stays open, unused,
-                        // until the guard is done with the lock (after teardown). The server's
-                        // wait_timeout still bounds how long it keeps a silent one.
-                        let _ = (&mut ends.release).await;
-                    }
-                    return Ok(());
-                }
-            }
-        }
+    fn timing(&self) -> &CheckTiming {
+        &self.timing
     }
 
-    fn judge(&self, result: CheckResult, sent: Deadline) -> Check {
-        let lost = |reason, detail: String| Check::Lost(LockLoss { reason, detail });
-        let took = sent.elapsed();
-        match result {
-            Ok(Ok(Some((_, Some(1))))) if took > self.budget => lost(
-                LossReason::CheckTimeout,
-                format!(
-                    "the check answered after {}, beyond its {} budget",
-                    humantime::format_duration(Duration::from_millis(took.as_millis() as u64)),
-                    humantime::format_duration(self.budget)
-                ),
-            ),
-            Ok(Ok(Some((_, Some(1))))) => Check::Owned,
-            Ok(Ok(row)) => lost(
-                LossReason::NotOwner,
-                format!(
-                    "IS_USED_LOCK no longer names connection {} ({row:?})",
-                    self.conn_id
-                ),
-            ),
-            Err(_) => lost(
-                LossReason::CheckTimeout,
-                format!(
-                    "no answer within {}",
-                    humantime::format_duration(self.budget)
-                ),
-            ),
+    fn check<'a>(&'a self, conn: &'a mut Conn) -> impl Future<Output = CheckResult> + Send + 'a {
+        timeout(
+            self.timing.budget,
+            conn.query_first::<(Option<i64>, Option<i64>), _>(&self.check_sql),
+        )
+    }
+
+    fn verdict(&self, answer: CheckResult) -> Verdict {
+        match answer {
+            Ok(Ok(Some((_, Some(1))))) => Verdict::Owned,
+            Ok(Ok(row)) => Verdict::NotOwner(format!(
+                "IS_USED_LOCK no longer names connection {} ({row:?})",
+                self.conn_id
+            )),
+            Err(_) => Verdict::NoAnswer,
             Ok(Err(e)) => {
                 let closed = match &e {
                     mysql_async::Error::Server(s) => {
@@ -1039,30 +795,24 @@ impl Watcher {
                     mysql_async::Error::Io(_) | mysql_async::Error::Driver(_) => true,
                     _ => false,
                 };
-                let reason = if closed {
-                    LossReason::ConnectionClosed
+                let detail = self.target.url.scrub(e);
+                if closed {
+                    Verdict::Closed(detail)
                 } else {
-                    LossReason::CheckFailed
-                };
-                lost(reason, self.target.url.scrub(e))
+                    Verdict::Failed(detail)
+                }
             }
         }
     }
 
-    /// Ends the outstanding check's `SLEEP` from a side connection (`side`, if it was opened ahead)
-    /// so a release is not delayed by up to a check interval, and returns the check's result.
-    /// `KILL QUERY` is repeated until the check answers: the first one can reach the server before
-    /// the check itself does. Best effort: without a side connection the sleep simply runs out.
-    async fn interrupt<F>(
-        &self,
-        mut check: std::pin::Pin<&mut F>,
-        side: Option<Interrupter>,
-    ) -> CheckResult
+    /// `KILL QUERY` from a side connection, repeated until the check answers: the first one can
+    /// reach the server before the check itself does. Without a side connection the sleep simply
+    /// runs out.
+    async fn interrupt<'a, F>(&'a self, mut check: Pin<&'a mut F>) -> CheckResult
     where
-        F: std::future::Future<Output = CheckResult>,
+        F: Future<Output = CheckResult> + Send + 'a,
     {
-        let side = side.unwrap_or_else(|| Interrupter::open(self.target.clone()));
-        let Some(mut side) = side.connected().await else {
+        let Ok(mut side) = connect(&self.target, INTERRUPT_TIMEOUT).await else {
             debug!(
                 connection_id = self.conn_id,
                 "could not interrupt the check sleep; waiting for it to end"
@@ -1081,9 +831,15 @@ impl Watcher {
         result
     }
 
-    async fn release(&self, mut conn: Conn) -> Result<(), LockError> {
+    fn release(&self, conn: Conn) -> impl Future<Output = Result<(), LockError>> + Send + '_ {
+        self.give_back(conn)
+    }
+}
+
+impl Watcher {
+    async fn give_back(&self, mut conn: Conn) -> Result<(), LockError> {
         let released = timeout(
-            self.budget,
+            self.timing.budget,
             conn.query_first::<Option<i64>, _>(&self.release_sql),
         )
         .await;
@@ -1114,36 +870,7 @@ impl Watcher {
             ),
         }
         // Closing the session frees the lock on the server even where RELEASE_LOCK failed.
-        let _ = timeout(self.budget, conn.disconnect()).await;
+        let _ = timeout(self.timing.budget, conn.disconnect()).await;
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn farewell_messages_round_trip_and_others_are_refused() {
-        let farewell = SessionFarewell {
-            url: SecretUrl::new("mysql://sg:pw@db:3306/app".to_owned()),
-            connection_id: 4_000_000_001,
-            name: "billing".to_owned(),
-            holder_id: "27e1d7a4c2e445db".to_owned(),
-            timeout: Duration::from_millis(1500),
-            ca_file: Some(PathBuf::from("/etc/ssl/private ca.pem")),
-        };
-        let decoded = SessionFarewell::decode(&farewell.encode()).unwrap();
-        assert_eq!(decoded.ca_file, farewell.ca_file);
-        assert_eq!(decoded.url.expose(), "mysql://sg:pw@db:3306/app");
-        assert_eq!(decoded.connection_id, 4_000_000_001);
-        assert_eq!(decoded.name, "billing");
-        assert_eq!(decoded.holder_id, "27e1d7a4c2e445db");
-        assert_eq!(decoded.timeout, Duration::from_millis(1500));
-        assert!(SessionFarewell::decode(b"").is_none());
-        assert!(SessionFarewell::decode(b"x12345678").is_none());
-        let mut truncated = farewell.encode();
-        truncated.truncate(12);
-        assert!(SessionFarewell::decode(&truncated).is_none());
     }
 }

@@ -1,35 +1,27 @@
 //! A held lock whose ownership a background task keeps proving: the task reports a loss through a
-//! watch channel and is asked to release through a oneshot. Shared by the networked backends.
+//! watch channel and is asked to release through a oneshot. Shared by the networked backends; the
+//! session backends (MySQL, PostgreSQL) also share the task itself (`SessionWatcher`).
 
 use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
 
+use tokio::sync::oneshot::error::TryRecvError;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
-use super::{LockError, LockLoss};
+use super::{LockError, LockLoss, LockRequest};
 use crate::deadline::Deadline;
+use crate::metrics::{CheckOutcome, Checks};
+use crate::supervisor::watchdog::Farewell;
+use crate::vocab::LossReason;
 
 /// The watcher's side: where to report a loss, and the request to release.
 pub struct WatcherEnds {
     pub lost: watch::Sender<Option<LockLoss>>,
     pub release: oneshot::Receiver<()>,
-    pub release_coming: ReleaseComing,
     dead_by: watch::Sender<Deadline>,
-}
-
-/// Turns on when a release is coming (the app has ended and its tree is being torn down), so a
-/// watcher can get ready for it meanwhile.
-pub struct ReleaseComing(watch::Receiver<bool>);
-
-impl ReleaseComing {
-    /// Resolves once a release is known to be coming; at once every time after that.
-    pub async fn wait(&mut self) {
-        if self.0.wait_for(|coming| *coming).await.is_err() {
-            // The lock's owner is gone without a word: only the release channel matters now.
-            std::future::pending::<()>().await;
-        }
-    }
 }
 
 impl WatcherEnds {
@@ -55,7 +47,6 @@ pub struct WatchedLock {
     lost: watch::Receiver<Option<LockLoss>>,
     dead_by: watch::Receiver<Deadline>,
     release: Option<oneshot::Sender<()>>,
-    release_coming: watch::Sender<bool>,
     watcher: JoinHandle<Result<(), LockError>>,
 }
 
@@ -69,25 +60,17 @@ impl WatchedLock {
         let (lost_tx, lost) = watch::channel(None);
         let (dead_by_tx, dead_by) = watch::channel(dead_by);
         let (release, release_rx) = oneshot::channel();
-        let (release_coming, release_coming_rx) = watch::channel(false);
         let task = watcher(WatcherEnds {
             lost: lost_tx,
             release: release_rx,
-            release_coming: ReleaseComing(release_coming_rx),
             dead_by: dead_by_tx,
         });
         WatchedLock {
             lost,
             dead_by,
             release: Some(release),
-            release_coming,
             watcher: tokio::spawn(task.in_current_span()),
         }
-    }
-
-    /// Says a release will follow once the app's tree is gone. Never blocks.
-    pub fn release_coming(&self) {
-        self.release_coming.send_replace(true);
     }
 
     /// The latest moment by which the app must be dead, as the watcher keeps moving it.
@@ -117,5 +100,211 @@ impl WatchedLock {
             Ok(result) => result,
             Err(e) => Err(LockError::Unreachable(format!("lock watcher failed: {e}"))),
         }
+    }
+}
+
+/// The timing of a session's ownership checks.
+pub struct CheckTiming {
+    /// check-interval (the server-side sleep) + check-timeout.
+    pub budget: Duration,
+    /// The server-side sleep alone: not counted as the check's duration.
+    pub sleep: Duration,
+    pub grace: Duration,
+    pub checks: Checks,
+}
+
+impl CheckTiming {
+    pub fn of(request: &LockRequest<'_>) -> CheckTiming {
+        CheckTiming {
+            budget: request.timings.detection_bound(),
+            sleep: request.timings.check_interval,
+            grace: request.timings.grace_period,
+            checks: request.metrics.checks(),
+        }
+    }
+}
+
+/// What a check's answer says about ownership, before its timing is considered.
+pub enum Verdict {
+    Owned,
+    NotOwner(String),
+    /// The session is gone: the server ended it, or the socket closed.
+    Closed(String),
+    Failed(String),
+    NoAnswer,
+}
+
+enum Check {
+    Owned,
+    Lost(LockLoss),
+}
+
+/// A lock that lives as long as one server session (MySQL `GET_LOCK`, a PostgreSQL advisory lock),
+/// proven by a check that is always outstanding: a server-side sleep, then an ownership test, so a
+/// session ended by the server is seen the instant its socket closes, not at the next check.
+pub trait SessionWatcher: Send + Sync + 'static {
+    type Conn: Send + 'static;
+    type Answer: Send;
+
+    fn timing(&self) -> &CheckTiming;
+
+    /// Sends the check and waits for its answer, at most the timing's budget.
+    fn check<'a>(
+        &'a self,
+        conn: &'a mut Self::Conn,
+    ) -> impl Future<Output = Self::Answer> + Send + 'a;
+
+    fn verdict(&self, answer: Self::Answer) -> Verdict;
+
+    /// Cuts the outstanding check's sleep short, so a release is not delayed by up to a check
+    /// interval, and returns the check's answer. Best effort: the sleep may simply run out.
+    fn interrupt<'a, F>(
+        &'a self,
+        check: Pin<&'a mut F>,
+    ) -> impl Future<Output = Self::Answer> + Send + 'a
+    where
+        F: Future<Output = Self::Answer> + Send + 'a;
+
+    /// Gives the lock back and closes the session (which frees the lock even where that failed).
+    fn release(&self, conn: Self::Conn) -> impl Future<Output = Result<(), LockError>> + Send + '_;
+}
+
+/// An answer counts only if it came within the budget of being sent: a guard frozen past it reads a
+/// true answer about a moment that no longer holds.
+fn judge(timing: &CheckTiming, verdict: Verdict, sent: Deadline) -> Check {
+    let lost = |reason, detail: String| Check::Lost(LockLoss { reason, detail });
+    let took = sent.elapsed();
+    match verdict {
+        Verdict::Owned if took > timing.budget => lost(
+            LossReason::CheckTimeout,
+            format!(
+                "the check answered after {}, beyond its {} budget",
+                humantime::format_duration(Duration::from_millis(took.as_millis() as u64)),
+                humantime::format_duration(timing.budget)
+            ),
+        ),
+        Verdict::Owned => Check::Owned,
+        Verdict::NotOwner(detail) => lost(LossReason::NotOwner, detail),
+        Verdict::Closed(detail) => lost(LossReason::ConnectionClosed, detail),
+        Verdict::Failed(detail) => lost(LossReason::CheckFailed, detail),
+        Verdict::NoAnswer => lost(
+            LossReason::CheckTimeout,
+            format!(
+                "no answer within {}",
+                humantime::format_duration(timing.budget)
+            ),
+        ),
+    }
+}
+
+/// Keeps proving ownership until told to release or the lock is lost.
+async fn watch_session<W: SessionWatcher>(
+    watcher: W,
+    mut conn: W::Conn,
+    mut ends: WatcherEnds,
+) -> Result<(), LockError> {
+    let timing = watcher.timing();
+    loop {
+        // If this check is not answered in time, the guard stops the app within the grace period.
+        // A release asked for between checks needs no sleep interrupted.
+        if !matches!(ends.release.try_recv(), Err(TryRecvError::Empty)) {
+            return watcher.release(conn).await;
+        }
+        let sent = Deadline::now();
+        ends.app_dead_by(sent + timing.budget + timing.grace);
+        let (check, releasing) = {
+            let check = watcher.check(&mut conn);
+            tokio::pin!(check);
+            tokio::select! {
+                biased;
+                answer = &mut check => (judge(timing, watcher.verdict(answer), sent), false),
+                _ = &mut ends.release => {
+                    let answer = watcher.interrupt(check).await;
+                    (judge(timing, watcher.verdict(answer), sent), true)
+                }
+            }
+        };
+        // An interrupted check says nothing about how fast the server answers.
+        if !releasing {
+            let outcome = match &check {
+                Check::Owned => CheckOutcome::Ok,
+                Check::Lost(loss) if loss.reason == LossReason::CheckTimeout => {
+                    CheckOutcome::Timeout
+                }
+                Check::Lost(_) => CheckOutcome::Error,
+            };
+            timing
+                .checks
+                .record(outcome, sent.elapsed().saturating_sub(timing.sleep));
+        }
+        match (check, releasing) {
+            (Check::Owned, false) => continue,
+            // Interrupting the check can fail it; release all the same, which logs how the
+            // session ended.
+            (_, true) => return watcher.release(conn).await,
+            (Check::Lost(loss), false) => {
+                let closed = loss.reason == LossReason::ConnectionClosed;
+                ends.report(loss);
+                if !closed {
+                    // Closing the session would free the lock on the server at once, while the app
+                    // may still be inside its grace period: the session stays open, unused, until
+                    // the guard is done with the lock (after teardown). The server's session
+                    // timeouts still bound how long it keeps a silent one.
+                    let _ = (&mut ends.release).await;
+                }
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// A held session lock: its watcher task, the watchdog's farewell, and the fencing token where the
+/// backend has one.
+pub struct SessionLock {
+    watched: WatchedLock,
+    farewell: Vec<u8>,
+    fencing_token: Option<u64>,
+}
+
+impl SessionLock {
+    pub fn spawn<W: SessionWatcher>(
+        watcher: W,
+        conn: W::Conn,
+        farewell: Vec<u8>,
+        fencing_token: Option<u64>,
+    ) -> SessionLock {
+        let dead_by = Deadline::after(watcher.timing().budget + watcher.timing().grace);
+        SessionLock {
+            watched: WatchedLock::spawn(dead_by, |ends| watch_session(watcher, conn, ends)),
+            farewell,
+            fencing_token,
+        }
+    }
+
+    pub fn farewell(&self) -> Farewell<'_> {
+        Farewell {
+            message: self.farewell.clone(),
+            keep: None,
+        }
+    }
+
+    pub fn fencing_token(&self) -> Option<u64> {
+        self.fencing_token
+    }
+
+    pub async fn lost(&mut self) -> LockLoss {
+        self.watched.lost().await
+    }
+
+    pub fn reported_loss(&self) -> Option<LockLoss> {
+        self.watched.reported_loss()
+    }
+
+    pub async fn release(self) -> Result<(), LockError> {
+        self.watched.release().await
+    }
+
+    pub fn app_deadline(&self) -> watch::Receiver<Deadline> {
+        self.watched.app_deadline()
     }
 }

@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use super::tls::server_certificate;
-use super::{free_port, wait_until, TempDir};
+use super::{free_port, made_once, must_run, stdout_of, wait_until, TempDir};
 
 pub const USER: &str = "guard";
 pub const PASSWORD: &str = "guard-secret-pw-5ee1";
@@ -27,33 +27,25 @@ fn program(name: &str) -> PathBuf {
 fn template() -> &'static Path {
     static TEMPLATE: OnceLock<PathBuf> = OnceLock::new();
     TEMPLATE.get_or_init(|| {
-        let root = Path::new(env!("CARGO_TARGET_TMPDIR"));
-        let ready = root.join("mariadb-template");
-        if ready.join("mysql").is_dir() {
-            return ready;
-        }
-        let staging = root.join(format!("mariadb-template.{}", std::process::id()));
-        let _ = fs::remove_dir_all(&staging);
-        let output = Command::new(program("mariadb-install-db"))
-            .args([
-                "--no-defaults",
-                "--user=root",
-                "--auth-root-authentication-method=normal",
-                "--skip-test-db",
-            ])
-            .arg(format!("--datadir={}", staging.display()))
-            .output()
-            .expect("mariadb-install-db is not installed (apt-get install mariadb-server)");
-        assert!(
-            output.status.success(),
-            "mariadb-install-db failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        // Another test process may have won the race; either copy is as good.
-        if fs::rename(&staging, &ready).is_err() {
-            let _ = fs::remove_dir_all(&staging);
-        }
-        ready
+        made_once(
+            "mariadb-template",
+            |dir| dir.join("mysql").is_dir(),
+            |staging| {
+                let mut install = Command::new(program("mariadb-install-db"));
+                install
+                    .args([
+                        "--no-defaults",
+                        "--user=root",
+                        "--auth-root-authentication-method=normal",
+                        "--skip-test-db",
+                    ])
+                    .arg(format!("--datadir={}", staging.display()));
+                must_run(
+                    install,
+                    "mariadb-install-db (apt-get install mariadb-server)",
+                );
+            },
+        )
     })
 }
 
@@ -142,7 +134,7 @@ impl MariaDb {
             .expect("mariadbd is not installed (apt-get install mariadb-server)");
         self.process = Some(child);
         let up = wait_until(Duration::from_secs(30), || {
-            self.try_sql("SELECT 1").is_some()
+            stdout_of(self.client("SELECT 1")).is_some()
         });
         assert!(
             up,
@@ -175,17 +167,9 @@ impl MariaDb {
         cmd
     }
 
-    fn try_sql(&self, sql: &str) -> Option<String> {
-        let out = self.client(sql).output().ok()?;
-        out.status
-            .success()
-            .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
-    }
-
     /// Runs SQL as root over the private socket; panics on failure.
     pub fn sql(&self, sql: &str) -> String {
-        self.try_sql(sql)
-            .unwrap_or_else(|| panic!("query failed: {sql}"))
+        stdout_of(self.client(sql)).unwrap_or_else(|| panic!("query failed: {sql}"))
     }
 
     /// The connection id holding `name`, if any.

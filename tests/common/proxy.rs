@@ -6,6 +6,9 @@ use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
+use std::time::{Duration, Instant};
+
+use super::{alive, as_strs, read_pid, recording_app, wait_until, Lab, FAST};
 
 pub struct Proxy {
     pub port: u16,
@@ -65,4 +68,72 @@ fn pump(mut from: TcpStream, mut to: TcpStream, silent: Arc<AtomicBool>) {
             let _ = to.shutdown(Shutdown::Write);
         }
     });
+}
+
+/// The silent partition of a session backend (MySQL, PostgreSQL) with the `FAST` timings: a guard
+/// reaching the server at `server_port` through a proxy holds `name`; the proxy goes silent. While
+/// its app lives, a guard reaching the server directly (`direct`) is refused; the app is stopped
+/// within detection + grace; and the server frees the silent session's lock only after the session
+/// timeout `W = ceil(0.2 + 0.8 + 2 + 5) = 8s`, which `url_via(port)` and `held()` observe.
+pub fn assert_partition_stops_the_app_before_the_server_frees_the_lock(
+    server_port: u16,
+    url_via: impl Fn(u16) -> String,
+    name: &str,
+    held: impl Fn() -> bool,
+) {
+    let proxy = Proxy::start(server_port);
+    let mut lab = Lab::new();
+    let (proxied, direct) = (url_via(proxy.port), url_via(server_port));
+    let args = |url: &'_ str| -> Vec<String> {
+        let mut v = vec![
+            "--url".to_owned(),
+            url.to_owned(),
+            "--name".to_owned(),
+            name.to_owned(),
+        ];
+        v.extend(FAST.iter().map(|s| s.to_string()));
+        v
+    };
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut guard = lab.spawn(
+        &as_strs(&args(&proxied)),
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    let app = read_pid(&pidfile, Duration::from_secs(10));
+
+    let partitioned = Instant::now();
+    proxy.partition();
+    while alive(app) {
+        let (code, log) = lab.run(&as_strs(&args(&direct)), &["true"], Duration::from_secs(10));
+        if alive(app) {
+            assert_eq!(
+                code, 1,
+                "a second guard acquired while the first app was alive: {log}"
+            );
+        }
+        assert!(
+            partitioned.elapsed() < Duration::from_secs(5),
+            "app not stopped within detection + grace"
+        );
+    }
+    // Detection bound is check-interval 200ms + check-timeout 800ms; the app traps TERM at once.
+    let stopped = partitioned.elapsed();
+    assert!(
+        stopped < Duration::from_millis(2500),
+        "app stopped only after {stopped:?}"
+    );
+    assert_eq!(guard.code(Duration::from_secs(10)), 75);
+    assert!(
+        guard.log_text().contains("reason=check_timeout"),
+        "{}",
+        guard.log_text()
+    );
+
+    let freed = wait_until(Duration::from_secs(20), || !held());
+    assert!(freed, "the server kept the lock of a partitioned guard");
+    let freed_after = partitioned.elapsed();
+    assert!(
+        freed_after >= Duration::from_secs(7),
+        "server freed the lock after only {freed_after:?}"
+    );
 }

@@ -1,0 +1,162 @@
+//! The farewell message of a session-holding backend (MySQL, PostgreSQL): what the guard's watchdog
+//! needs to end the dead guard's session once its app is gone, so a standby takes over at once
+//! rather than when the server notices the dead client (at the end of the outstanding check).
+//!
+//! The watchdog acts only if the lock is still held by that very session, as its backend checks:
+//! after a server restart session ids start again, and the id may by then be a stranger's.
+
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::config::{CaFile, SecretUrl, Target};
+
+/// Which backend wrote a message, and so which one ends the session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Server {
+    Mysql,
+    Postgres,
+}
+
+impl Server {
+    fn tag(self) -> u8 {
+        match self {
+            Server::Mysql => b'm',
+            Server::Postgres => b'p',
+        }
+    }
+
+    fn of_tag(tag: u8) -> Option<Server> {
+        [Server::Mysql, Server::Postgres]
+            .into_iter()
+            .find(|server| server.tag() == tag)
+    }
+}
+
+pub struct SessionFarewell {
+    pub server: Server,
+    pub url: SecretUrl,
+    /// MySQL's connection id, PostgreSQL's backend pid.
+    pub session_id: u32,
+    pub name: String,
+    /// The dead guard's holder id, which its session shows (a query comment, `application_name`).
+    pub holder_id: String,
+    /// Bounds connecting and each statement.
+    pub timeout: Duration,
+    /// `--ca-file`, read again when needed: a path fits the pipe, a CA bundle may not.
+    pub ca_file: Option<PathBuf>,
+}
+
+impl SessionFarewell {
+    pub fn encode(&self) -> Vec<u8> {
+        let url = self.url.expose().as_bytes();
+        let mut bytes = vec![self.server.tag()];
+        bytes.extend_from_slice(&self.session_id.to_le_bytes());
+        let timeout_ms = u32::try_from(self.timeout.as_millis()).unwrap_or(u32::MAX);
+        bytes.extend_from_slice(&timeout_ms.to_le_bytes());
+        // Lock names (at most 64 bytes, validated) and holder ids (hex) fit one length byte.
+        for field in [&self.name, &self.holder_id] {
+            bytes.push(field.len() as u8);
+            bytes.extend_from_slice(field.as_bytes());
+        }
+        // A path longer than PATH_MAX (4096) cannot name a file anyway.
+        let ca = self
+            .ca_file
+            .as_deref()
+            .map_or(&[][..], |path| path.as_os_str().as_bytes());
+        let ca = &ca[..ca.len().min(usize::from(u16::MAX))];
+        bytes.extend_from_slice(&(ca.len() as u16).to_le_bytes());
+        bytes.extend_from_slice(ca);
+        bytes.extend_from_slice(url);
+        bytes
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<SessionFarewell> {
+        let (&tag, rest) = bytes.split_first()?;
+        let server = Server::of_tag(tag)?;
+        if rest.len() < 9 {
+            return None;
+        }
+        let session_id = u32::from_le_bytes(rest[0..4].try_into().ok()?);
+        let timeout_ms = u32::from_le_bytes(rest[4..8].try_into().ok()?);
+        let mut rest = &rest[8..];
+        let mut field = || {
+            let (&len, tail) = rest.split_first()?;
+            let value = std::str::from_utf8(tail.get(..usize::from(len))?).ok()?;
+            rest = &tail[usize::from(len)..];
+            Some(value.to_owned())
+        };
+        let name = field()?;
+        let holder_id = field()?;
+        let ca_len = usize::from(u16::from_le_bytes(rest.get(..2)?.try_into().ok()?));
+        let ca = rest.get(2..2 + ca_len)?;
+        let ca_file = (!ca.is_empty()).then(|| PathBuf::from(OsStr::from_bytes(ca)));
+        let url = std::str::from_utf8(&rest[2 + ca_len..]).ok()?;
+        Some(SessionFarewell {
+            server,
+            url: SecretUrl::new(url.to_owned()),
+            session_id,
+            name,
+            holder_id,
+            timeout: Duration::from_millis(u64::from(timeout_ms)),
+            ca_file,
+        })
+    }
+
+    /// Where the dead guard's lock lives, trusting the CA it was told to trust.
+    pub fn target(&self) -> Result<Target, String> {
+        let target = Target::parse(self.url.expose(), "").map_err(|e| e.to_string())?;
+        match &self.ca_file {
+            Some(path) => CaFile::read(path)
+                .and_then(|ca| target.trusting(&ca))
+                .map_err(|e| e.to_string()),
+            None => Ok(target),
+        }
+    }
+
+    /// Runs `end` on a runtime of its own (the watchdog has none).
+    pub fn on_runtime<F>(&self, end: F) -> Result<String, String>
+    where
+        F: std::future::Future<Output = Result<String, String>>,
+    {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?
+            .block_on(end)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn farewell_messages_round_trip_and_others_are_refused() {
+        for server in [Server::Mysql, Server::Postgres] {
+            let farewell = SessionFarewell {
+                server,
+                url: SecretUrl::new("mysql://sg:pw@db:3306/app".to_owned()),
+                session_id: 4_000_000_001,
+                name: "billing".to_owned(),
+                holder_id: "27e1d7a4c2e445db".to_owned(),
+                timeout: Duration::from_millis(1500),
+                ca_file: Some(PathBuf::from("/etc/ssl/private ca.pem")),
+            };
+            let decoded = SessionFarewell::decode(&farewell.encode()).unwrap();
+            assert_eq!(decoded.ca_file, farewell.ca_file);
+            assert_eq!(decoded.server, server);
+            assert_eq!(decoded.url.expose(), "mysql://sg:pw@db:3306/app");
+            assert_eq!(decoded.session_id, 4_000_000_001);
+            assert_eq!(decoded.name, "billing");
+            assert_eq!(decoded.holder_id, "27e1d7a4c2e445db");
+            assert_eq!(decoded.timeout, Duration::from_millis(1500));
+            let mut truncated = farewell.encode();
+            truncated.truncate(12);
+            assert!(SessionFarewell::decode(&truncated).is_none());
+        }
+        assert!(SessionFarewell::decode(b"").is_none());
+        assert!(SessionFarewell::decode(b"x12345678").is_none());
+    }
+}
