@@ -10,6 +10,10 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use thiserror::Error;
 
+mod redis_target;
+
+pub use redis_target::{RedisServers, RedisTarget};
+
 use crate::cli::{Cli, ForwardTo, LockArgs, LogFormat, OutputFormat, StatusArgs, Subcommand};
 use crate::window::{IfUnavailable, Schedule, ScheduleMode};
 
@@ -208,7 +212,17 @@ fn lock_target(args: &LockArgs) -> Result<(LockName, Option<Target>), ConfigErro
 impl Config {
     fn from_cli(cli: Cli, guard_switch: Option<&str>) -> Result<Config, ConfigError> {
         let guarded = parse_guard_switch(guard_switch)?;
-        let (name, target) = lock_target(&cli.lock)?;
+        let (name, mut target) = lock_target(&cli.lock)?;
+        if cli.redis_min_replicas > 0 {
+            match target.as_mut() {
+                Some(Target::Redis(redis)) => redis.min_replicas = cli.redis_min_replicas,
+                _ => {
+                    return Err(invalid(
+                        "--redis-min-replicas applies to a Redis lock only (redis://, redis+sentinel://, redis+cluster://)",
+                    ))
+                }
+            }
+        }
         if guarded && target.is_none() {
             return Err(invalid(
                 "no lock backend: set --url or --url-file (SENTINEL_GUARD_URL / SENTINEL_GUARD_URL_FILE), \
@@ -474,14 +488,6 @@ impl fmt::Debug for SecretUrl {
     }
 }
 
-#[derive(Debug, Clone)]
-pub struct RedisTarget {
-    pub client: redis::Client,
-    pub url: RedactedUrl,
-    /// Keys are `<prefix>:{<name>}`, `<prefix>:{<name>}:fence` and `<prefix>:{<name>}:released`.
-    pub prefix: String,
-}
-
 /// A backend URL in the only form that may be printed, with what is needed to scrub its password
 /// from any message that echoes it back.
 #[derive(Debug, Clone)]
@@ -491,6 +497,29 @@ pub struct RedactedUrl {
 }
 
 impl RedactedUrl {
+    /// A multi-host URL (`redis+sentinel://u:p@h1,h2/g`), which `url::Url` cannot hold.
+    fn of_parts(scheme: &str, userinfo: Option<&str>, hosts: &str, path: &str) -> RedactedUrl {
+        let (user, password) = match userinfo.map(|u| u.split_once(':')) {
+            Some(Some((user, password))) => (user, Some(password)),
+            Some(None) => (userinfo.unwrap_or_default(), None),
+            None => ("", None),
+        };
+        let password = password.filter(|p| !p.is_empty()).map(|p| {
+            percent_encoding::percent_decode_str(p)
+                .decode_utf8_lossy()
+                .into_owned()
+        });
+        let credentials = match (userinfo, &password) {
+            (None, _) => String::new(),
+            (Some(_), Some(_)) => format!("{user}:***@"),
+            (Some(_), None) => format!("{user}@"),
+        };
+        RedactedUrl {
+            shown: format!("{scheme}://{credentials}{hosts}{path}"),
+            password,
+        }
+    }
+
     fn of(url: &url::Url) -> RedactedUrl {
         let mut shown = url.clone();
         if url.password().is_some() {
@@ -528,9 +557,12 @@ impl fmt::Display for RedactedUrl {
 
 impl Target {
     pub fn parse(raw: &str, redis_prefix: &str) -> Result<Target, ConfigError> {
+        if let Some(redis) = RedisTarget::parse(raw, redis_prefix) {
+            return Ok(Target::Redis(Box::new(redis?)));
+        }
         let url = url::Url::parse(raw).map_err(|e| {
             invalid(format!(
-                "--url: not a valid URL ({e}); expected mysql://, redis://, rediss:// or file:///abs/path.lock"
+                "--url: not a valid URL ({e}); expected mysql://, redis://, rediss://, redis+sentinel://, redis+cluster:// or file:///abs/path.lock"
             ))
         })?;
         match url.scheme() {
@@ -553,13 +585,6 @@ impl Target {
                     ca_file: None,
                 }))
             }
-            "redis" | "rediss" => {
-                let url = RedactedUrl::of(&url);
-                let client =
-                    redis::Client::open(raw).map_err(|e| invalid(format!("--url {url}: {}", url.scrub(e))))?;
-                validate_redis_prefix(redis_prefix)?;
-                Ok(Target::Redis(Box::new(RedisTarget { client, url, prefix: redis_prefix.to_owned() })))
-            }
             "file" => {
                 if !matches!(url.host_str(), None | Some("") | Some("localhost")) {
                     return Err(invalid(format!(
@@ -575,7 +600,8 @@ impl Target {
                 Ok(Target::File(path))
             }
             other => Err(invalid(format!(
-                "--url: unsupported scheme {other:?}; expected mysql://, redis://, rediss:// or file://"
+                "--url: unsupported scheme {other:?}; expected mysql://, redis://, rediss://, redis+sentinel://, \
+                 redis+cluster:// (or their TLS forms rediss+...) or file://"
             ))),
         }
     }
@@ -601,23 +627,18 @@ impl Target {
                 mysql.ca_file = Some(ca.path.clone());
                 Ok(Target::Mysql(mysql))
             }
-            Target::Redis(mut redis) => {
-                if !redis.url.to_string().starts_with("rediss://") {
+            Target::Redis(redis) => {
+                if !redis.uses_tls() {
                     return Err(invalid(format!(
                         "--ca-file {shown}: {} does not use TLS; use a rediss:// URL",
                         redis.url
                     )));
                 }
-                let certificates = redis::TlsCertificates {
-                    client_tls: None,
-                    root_cert: Some(ca.pem.clone()),
-                };
-                redis.client = redis::Client::build_with_tls(
-                    redis.client.get_connection_info().clone(),
-                    certificates,
-                )
-                .map_err(|e| invalid(format!("--ca-file {shown}: {}", redis.url.scrub(e))))?;
-                Ok(Target::Redis(redis))
+                let url = redis.url.clone();
+                let redis = redis
+                    .trusting(&ca.pem)
+                    .map_err(|e| invalid(format!("--ca-file {shown}: {}", url.scrub(e))))?;
+                Ok(Target::Redis(Box::new(redis)))
             }
             Target::File(path) => Err(invalid(format!(
                 "--ca-file {shown}: file://{} is a local lock and uses no TLS",
@@ -642,20 +663,6 @@ impl Target {
             Target::File(_) => "file",
         }
     }
-}
-
-/// The prefix must not break the `{name}` hash tag that keeps a lock's keys in one cluster slot.
-fn validate_redis_prefix(prefix: &str) -> Result<(), ConfigError> {
-    if prefix.is_empty()
-        || prefix
-            .chars()
-            .any(|c| c.is_whitespace() || c == '{' || c == '}')
-    {
-        return Err(invalid(format!(
-            "--redis-prefix {prefix:?}: must be non-empty, without spaces or braces"
-        )));
-    }
-    Ok(())
 }
 
 /// The timing knobs and the one inequality they must keep.

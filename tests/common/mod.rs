@@ -9,6 +9,7 @@ pub mod mariadb;
 pub mod procs;
 pub mod proxy;
 pub mod redis;
+pub mod sentinel;
 pub mod tls;
 
 use std::fs;
