@@ -235,6 +235,29 @@ impl Cluster {
             .expect("a node owns the slot")
     }
 
+    /// Moves the slot of `key`, with its keys, to the node at `to` (an index into `nodes`): the
+    /// `CLUSTER SETSLOT ... IMPORTING/MIGRATING`, `MIGRATE`, `SETSLOT ... NODE` steps of a reshard.
+    pub fn move_slot(&self, key: &str, to: usize) {
+        let slot = self.nodes[0].cli(&["CLUSTER", "KEYSLOT", key]);
+        let from = self.owner(key);
+        let target = &self.nodes[to];
+        let (from_id, to_id) = (
+            from.cli(&["CLUSTER", "MYID"]),
+            target.cli(&["CLUSTER", "MYID"]),
+        );
+        assert_ne!(from_id, to_id, "the slot is already there");
+        target.cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]);
+        from.cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]);
+        let keys = from.cli(&["CLUSTER", "GETKEYSINSLOT", &slot, "100"]);
+        let port = target.port.to_string();
+        for key in keys.lines().filter(|k| !k.is_empty()) {
+            from.cli(&["MIGRATE", "127.0.0.1", &port, key, "0", "5000"]);
+        }
+        for node in &self.nodes {
+            node.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]);
+        }
+    }
+
     fn owner_id(&self, slot: u16) -> String {
         // `CLUSTER NODES` lines: <id> <addr> <flags> <master> <ping> <pong> <epoch> <state> <slots>...
         let nodes = self.nodes[0].cli(&["CLUSTER", "NODES"]);
