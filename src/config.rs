@@ -630,7 +630,7 @@ impl Target {
             Target::Redis(redis) => {
                 if !redis.uses_tls() {
                     return Err(invalid(format!(
-                        "--ca-file {shown}: {} does not use TLS; use a rediss:// URL",
+                        "--ca-file {shown}: {} does not use TLS; use rediss://, rediss+sentinel:// or rediss+cluster://",
                         redis.url
                     )));
                 }
@@ -1142,6 +1142,8 @@ mod never_panics {
             Just("mysql://sg:pw@[::1]/test".to_owned()),
             Just("redis://[::1]:6379".to_owned()),
             Just("rediss://u:p@host/3".to_owned()),
+            Just("redis+sentinel://u:p@h1,[::1]:26380/mymaster/2".to_owned()),
+            Just("rediss+cluster://h1:7000,h2".to_owned()),
             Just("file:///tmp/prop.lock".to_owned()),
             "[a-z+]{1,8}://[a-z0-9@:\\[\\]./%]{0,24}",
             ".{0,20}",
@@ -1161,6 +1163,26 @@ mod never_panics {
             // The property is that this returns at all; either answer is fine.
             let _ = invocation(&guard_args(&url, &flags), switch.as_deref());
         }
+    }
+
+    #[test]
+    fn min_replicas_need_a_redis_lock() {
+        let with = |url: &str, n: &str| {
+            invocation(
+                &guard_args(url, &[("--redis-min-replicas", n.to_owned())]),
+                None,
+            )
+        };
+        let error = with("file:///tmp/x.lock", "1").unwrap_err();
+        assert!(error.contains("Redis lock only"), "{error}");
+        let Ok(Invocation::Guard(config)) = with("redis+sentinel://h1,h2/mymaster", "1") else {
+            panic!("a Sentinel URL with one replica was refused");
+        };
+        let Some(Target::Redis(redis)) = &config.target else {
+            panic!("not redis")
+        };
+        assert_eq!(redis.min_replicas, 1);
+        assert!(with("redis://h1", "17").is_err());
     }
 
     #[test]

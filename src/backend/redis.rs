@@ -188,15 +188,20 @@ impl Keys {
 #[derive(Clone)]
 enum Conn {
     Node(MultiplexedConnection),
-    /// To the node the sentinels named as primary, at this address.
-    Primary(MultiplexedConnection, (String, u16)),
+    /// To the node the sentinels named as primary, at `address`; `sentinel` asks again before each
+    /// use (opened then, kept while it answers).
+    Primary {
+        conn: MultiplexedConnection,
+        address: (String, u16),
+        sentinel: Option<MultiplexedConnection>,
+    },
     Cluster(ClusterConnection),
 }
 
 impl ConnectionLike for Conn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
-            Conn::Node(conn) | Conn::Primary(conn, _) => conn.req_packed_command(cmd),
+            Conn::Node(conn) | Conn::Primary { conn, .. } => conn.req_packed_command(cmd),
             Conn::Cluster(conn) => conn.req_packed_command(cmd),
         }
     }
@@ -208,7 +213,7 @@ impl ConnectionLike for Conn {
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
-            Conn::Node(conn) | Conn::Primary(conn, _) => {
+            Conn::Node(conn) | Conn::Primary { conn, .. } => {
                 conn.req_packed_commands(pipeline, offset, count)
             }
             Conn::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
@@ -217,7 +222,7 @@ impl ConnectionLike for Conn {
 
     fn get_db(&self) -> i64 {
         match self {
-            Conn::Node(conn) | Conn::Primary(conn, _) => conn.get_db(),
+            Conn::Node(conn) | Conn::Primary { conn, .. } => conn.get_db(),
             Conn::Cluster(conn) => conn.get_db(),
         }
     }
@@ -235,7 +240,7 @@ impl Conn {
         // WAIT 0 would block for ever.
         wait.arg(replicas).arg(millis(limit).max(1));
         match self {
-            Conn::Node(conn) | Conn::Primary(conn, _) => wait.query_async(conn).await,
+            Conn::Node(conn) | Conn::Primary { conn, .. } => wait.query_async(conn).await,
             Conn::Cluster(conn) => {
                 let route = Route::new(keys.slot(), SlotAddr::Master);
                 let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
@@ -280,7 +285,11 @@ async fn connect(target: &RedisTarget, limit: Duration) -> Result<Conn, RedisErr
                 )));
             }
             debug!(event = "redis_primary", group = %group, primary = %shown, "sentinels named the primary");
-            Ok(Conn::Primary(conn, address))
+            Ok(Conn::Primary {
+                conn,
+                address,
+                sentinel: None,
+            })
         }
         RedisServers::Cluster { cluster, .. } => {
             let config = ClusterConfig::new()
@@ -299,23 +308,32 @@ async fn connect(target: &RedisTarget, limit: Duration) -> Result<Conn, RedisErr
 /// connection asks the sentinels again and checks ROLE. Sentinels that cannot answer within
 /// `limit` change nothing: the primary itself is what a renewal proves.
 async fn forget_demoted(target: &RedisTarget, slot: &mut Option<Conn>, limit: Duration) {
-    let (Some(Conn::Primary(_, address)), RedisServers::Sentinel { sentinels, group }) =
-        (slot.as_ref(), &target.servers)
+    let (
+        Some(Conn::Primary {
+            address, sentinel, ..
+        }),
+        RedisServers::Sentinel { sentinels, group },
+    ) = (slot.as_mut(), &target.servers)
     else {
         return;
     };
     let named = timeout(limit, async {
-        let client = sentinels.lock().await.async_get_sentinel_client().await?;
-        let mut conn = client.get_multiplexed_async_connection().await?;
+        let conn = match sentinel {
+            Some(conn) => conn,
+            None => {
+                let client = sentinels.lock().await.async_get_sentinel_client().await?;
+                sentinel.insert(client.get_multiplexed_async_connection().await?)
+            }
+        };
         redis::cmd("SENTINEL")
             .arg("GET-MASTER-ADDR-BY-NAME")
             .arg(group)
-            .query_async::<Option<(String, u16)>>(&mut conn)
+            .query_async::<Option<(String, u16)>>(conn)
             .await
     })
     .await;
-    if let Ok(Ok(Some(named))) = named {
-        if &named != address {
+    match named {
+        Ok(Ok(Some(named))) if named != *address => {
             info!(
                 event = "redis_primary_changed",
                 group = %group,
@@ -325,6 +343,9 @@ async fn forget_demoted(target: &RedisTarget, slot: &mut Option<Conn>, limit: Du
             );
             *slot = None;
         }
+        Ok(Ok(_)) => {}
+        // Another sentinel next time.
+        _ => *sentinel = None,
     }
 }
 

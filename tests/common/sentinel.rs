@@ -9,6 +9,19 @@ use super::redis::Redis;
 use super::{free_port, wait_until, TempDir};
 
 pub const GROUP: &str = "mymaster";
+/// ttl 10s - margin 200ms - grace 1s = 8.8s >= renew 1s + check-timeout 1s: room for a failover
+/// (1s to call the primary down, then the election and the replicas' reconfiguration) without losing
+/// the lease.
+pub const FAILOVER_LEASE: &[&str] = &[
+    "--ttl",
+    "10s",
+    "--renew-interval",
+    "1s",
+    "--check-timeout",
+    "1s",
+    "--grace-period",
+    "1s",
+];
 /// How long a primary may be silent before the sentinels call it down.
 const DOWN_AFTER_MS: u32 = 1000;
 
