@@ -2,7 +2,8 @@
 //! leader and a `--wait --takeover-delay` standby, both running apps that record start and stop in
 //! one trace; then a failover (`SENTINEL FAILOVER`, a SIGKILLed primary, a failover that loses the
 //! lease). Whatever happens, no two apps overlap: the leader keeps its lease on the new primary
-//! (its token was replicated) or stops its app before the standby starts one. A guard started later
+//! (its token was replicated, and a replica acknowledged its renewals there) or stops its app before
+//! the standby starts one. A guard started later
 //! with the same URL finds the new primary.
 
 mod common;
@@ -71,10 +72,15 @@ fn status(url: &str) -> (i32, String) {
     )
 }
 
-/// After a failover the leader keeps its app, renews on the new primary (its exact token is there),
-/// and the standby keeps waiting. Then the leader stops: the standby takes over at once on the new
-/// primary, and a guard started afterwards with the same URL acquires there too.
-fn assert_lease_survives(group: &mut Sentinels, failover: impl FnOnce(&mut Sentinels) -> u16) {
+/// A failover under a leader with `--redis-min-replicas 1` and a waiting standby. The new primary
+/// holds the leader's exact token. Ten seconds after the fault the deadline of every renewal
+/// confirmed before it has passed (ttl 10s - margin - grace = 8.8s), so one of two things is true:
+/// the leader renewed on the new primary (acknowledged by the remaining replica once the sentinels
+/// reconfigured it) and its app runs on while the standby waits; or no renewal could be acknowledged
+/// in time, and the leader stopped its app (exit 75) before the key could expire anywhere. Either way
+/// the standby takes over on the new primary (at once after the leader's release, or once the key
+/// expired) without overlap, and a guard started afterwards with the same URL acquires there too.
+fn assert_failover_is_safe(group: &mut Sentinels, failover: impl FnOnce(&mut Sentinels) -> u16) {
     let url = group.url();
     let mut pair = leader_and_standby(&url, &["--redis-min-replicas", "1"]);
     assert!(pair.leader.log_text().contains("topology=\"sentinel\""));
@@ -89,40 +95,50 @@ fn assert_lease_survives(group: &mut Sentinels, failover: impl FnOnce(&mut Senti
         token,
         "the new primary does not hold the leader's token"
     );
-    // Renewed there: each renewal sets the ttl back to 10s.
-    let renewed = wait_until(Duration::from_secs(8), || {
-        let pttl: i64 = group.cli(new, &["PTTL", KEY]).parse().unwrap_or(0);
-        pttl > 9_000 && faulted.elapsed() > Duration::from_secs(3)
-    });
-    assert!(
-        renewed,
-        "the leader did not renew on the new primary: {}",
-        pair.leader.log_text()
-    );
-    assert!(
-        alive(pair.lead_app),
-        "the leader's app was stopped: {}",
-        pair.leader.log_text()
-    );
+    // The decision point: every deadline from before the fault has passed.
+    let kept = wait_until(Duration::from_secs(10), || {
+        faulted.elapsed() >= Duration::from_secs(10)
+    }) && alive(pair.lead_app);
     assert!(!pair.standby_pid.exists(), "the standby started an app");
-    let (code, shown) = status(&url);
-    assert_eq!(code, 0, "{shown}");
-    assert!(
-        shown.contains(&format!("pid={}", pair.leader.pid())),
-        "{shown}"
-    );
-
-    pair.leader.signal(15);
-    assert_eq!(pair.leader.code(Duration::from_secs(10)), 0);
+    if kept {
+        eprintln!("the leader kept its lease through the failover");
+        assert_eq!(group.cli(new, &["GET", KEY]), token);
+        let (code, shown) = status(&url);
+        assert_eq!(code, 0, "{shown}");
+        assert!(
+            shown.contains(&format!("pid={}", pair.leader.pid())),
+            "{shown}"
+        );
+        pair.leader.signal(15);
+        assert_eq!(pair.leader.code(Duration::from_secs(10)), 0);
+    } else {
+        eprintln!(
+            "the leader stopped its app: no renewal was acknowledged in time: {}",
+            pair.leader.log_text()
+        );
+        assert_eq!(
+            pair.leader.code(Duration::from_secs(10)),
+            75,
+            "{}",
+            pair.leader.log_text()
+        );
+    }
     // A standby whose attempts failed during the failover may be in its backoff (250ms doubling).
-    let standby_app = read_pid(&pair.standby_pid, Duration::from_secs(15));
     assert!(
-        pair.standby
-            .log_text()
-            .contains("previous_release=\"clean\""),
-        "a release acknowledged by a replica is a clean hand-over: {}",
+        wait_until(Duration::from_secs(40), || pair.standby_pid.exists()),
+        "the standby did not take over: {}",
         pair.standby.log_text()
     );
+    let standby_app = read_pid(&pair.standby_pid, Duration::from_secs(1));
+    if kept {
+        assert!(
+            pair.standby
+                .log_text()
+                .contains("previous_release=\"clean\""),
+            "a release acknowledged by a replica is a clean hand-over: {}",
+            pair.standby.log_text()
+        );
+    }
     assert!(alive(standby_app));
     pair.standby.signal(15);
     assert_eq!(pair.standby.code(Duration::from_secs(10)), 0);
@@ -138,15 +154,15 @@ fn assert_lease_survives(group: &mut Sentinels, failover: impl FnOnce(&mut Senti
 }
 
 #[test]
-fn sentinel_failover_keeps_a_replicated_lease() {
+fn sentinel_failover_never_overlaps() {
     let mut group = Sentinels::start();
-    assert_lease_survives(&mut group, |group| group.failover());
+    assert_failover_is_safe(&mut group, |group| group.failover());
 }
 
 #[test]
-fn primary_sigkill_keeps_a_replicated_lease() {
+fn primary_sigkill_never_overlaps() {
     let mut group = Sentinels::start();
-    assert_lease_survives(&mut group, |group| {
+    assert_failover_is_safe(&mut group, |group| {
         let old = group.primary_port().unwrap();
         group.primary().kill9();
         group.await_new_primary(old, Duration::from_secs(20))

@@ -24,8 +24,8 @@ use redis::cluster::ClusterConfig;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{
-    AsyncConnectionConfig, Cmd, ConnectionAddr, ErrorKind, Pipeline, RedisError, RedisFuture, Role,
-    Script, ServerErrorKind, Value,
+    AsyncConnectionConfig, Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, Role, Script,
+    ServerErrorKind, Value,
 };
 use tokio::time::{timeout, Instant};
 use tracing::{debug, info, warn};
@@ -188,8 +188,8 @@ impl Keys {
 #[derive(Clone)]
 enum Conn {
     Node(MultiplexedConnection),
-    /// To the node the sentinels named as primary, at `address`; `sentinel` asks again before each
-    /// use (opened then, kept while it answers).
+    /// To the node the sentinels named as primary, at `address`; `sentinel` (the sentinel that
+    /// named it, or the next that answers) is asked again before each use.
     Primary {
         conn: MultiplexedConnection,
         address: (String, u16),
@@ -261,26 +261,23 @@ async fn connect(target: &RedisTarget, limit: Duration) -> Result<Conn, RedisErr
                 .get_multiplexed_async_connection_with_config(&config)
                 .await?,
         )),
-        RedisServers::Sentinel { sentinels, group } => {
-            // The sentinels name the primary and the client checks its ROLE; so does the guard,
-            // on the connection it will use, in case a failover happened in between.
-            let client = sentinels.lock().await.async_get_client().await?;
-            let mut conn = client
+        RedisServers::Sentinel {
+            sentinels,
+            group,
+            primary,
+        } => {
+            let (address, sentinel) = ask_sentinels(sentinels, group, &config).await?;
+            let shown = format!("{}:{}", address.0, address.1);
+            let mut conn = primary
+                .client(&address.0, address.1)?
                 .get_multiplexed_async_connection_with_config(&config)
                 .await?;
+            // Between the sentinels' answer and now a failover may have happened.
             let role: Role = redis::cmd("ROLE").query_async(&mut conn).await?;
-            let address = match client.get_connection_info().addr() {
-                ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
-                    (host.clone(), *port)
-                }
-                // Sentinels name TCP addresses only.
-                other => (other.to_string(), 0),
-            };
-            let shown = format!("{}:{}", address.0, address.1);
             if !matches!(role, Role::Primary { .. }) {
                 return Err(RedisError::from((
                     ErrorKind::Server(ServerErrorKind::ReadOnly),
-                    "the node the sentinels named is no longer the primary",
+                    "the node the sentinels named is not a primary",
                     shown,
                 )));
             }
@@ -288,7 +285,7 @@ async fn connect(target: &RedisTarget, limit: Duration) -> Result<Conn, RedisErr
             Ok(Conn::Primary {
                 conn,
                 address,
-                sentinel: None,
+                sentinel: Some(sentinel),
             })
         }
         RedisServers::Cluster { cluster, .. } => {
@@ -302,6 +299,46 @@ async fn connect(target: &RedisTarget, limit: Duration) -> Result<Conn, RedisErr
     }
 }
 
+/// The primary of `group` as the first sentinel that answers names it, and the connection to that
+/// sentinel.
+async fn ask_sentinels(
+    sentinels: &[redis::Client],
+    group: &str,
+    config: &AsyncConnectionConfig,
+) -> Result<((String, u16), MultiplexedConnection), RedisError> {
+    let mut failure = RedisError::from((
+        ErrorKind::MasterNameNotFoundBySentinel,
+        "no sentinel names a primary for the group",
+        group.to_owned(),
+    ));
+    for sentinel in sentinels {
+        let answer = async {
+            let mut conn = sentinel
+                .get_multiplexed_async_connection_with_config(config)
+                .await?;
+            let named = named_primary(&mut conn, group).await?;
+            Ok::<_, RedisError>(named.map(|address| (address, conn)))
+        };
+        match answer.await {
+            Ok(Some(found)) => return Ok(found),
+            Ok(None) => {}
+            Err(e) => failure = e,
+        }
+    }
+    Err(failure)
+}
+
+async fn named_primary(
+    sentinel: &mut MultiplexedConnection,
+    group: &str,
+) -> Result<Option<(String, u16)>, RedisError> {
+    redis::cmd("SENTINEL")
+        .arg("GET-MASTER-ADDR-BY-NAME")
+        .arg(group)
+        .query_async(sentinel)
+        .await
+}
+
 /// Drops a kept connection to a node the sentinels no longer name as the primary. A demoted primary
 /// may go on accepting writes until the sentinels reconfigure it, seconds later: a guard renewing
 /// there would never notice that a standby was granted the lock on the new primary. The next
@@ -312,24 +349,26 @@ async fn forget_demoted(target: &RedisTarget, slot: &mut Option<Conn>, limit: Du
         Some(Conn::Primary {
             address, sentinel, ..
         }),
-        RedisServers::Sentinel { sentinels, group },
+        RedisServers::Sentinel {
+            sentinels, group, ..
+        },
     ) = (slot.as_mut(), &target.servers)
     else {
         return;
     };
     let named = timeout(limit, async {
-        let conn = match sentinel {
-            Some(conn) => conn,
-            None => {
-                let client = sentinels.lock().await.async_get_sentinel_client().await?;
-                sentinel.insert(client.get_multiplexed_async_connection().await?)
+        if let Some(conn) = sentinel.as_mut() {
+            if let Ok(named) = named_primary(conn, group).await {
+                return Ok(named);
             }
-        };
-        redis::cmd("SENTINEL")
-            .arg("GET-MASTER-ADDR-BY-NAME")
-            .arg(group)
-            .query_async::<Option<(String, u16)>>(conn)
-            .await
+        }
+        // The kept sentinel failed: ask them all, and keep the one that answers.
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(limit))
+            .set_response_timeout(Some(limit));
+        let (named, conn) = ask_sentinels(sentinels, group, &config).await?;
+        *sentinel = Some(conn);
+        Ok::<_, RedisError>(Some(named))
     })
     .await;
     match named {
@@ -343,9 +382,7 @@ async fn forget_demoted(target: &RedisTarget, slot: &mut Option<Conn>, limit: Du
             );
             *slot = None;
         }
-        Ok(Ok(_)) => {}
-        // Another sentinel next time.
-        _ => *sentinel = None,
+        _ => {}
     }
 }
 
@@ -606,8 +643,14 @@ async fn subscribe(target: &RedisTarget, keys: &Keys, limit: Duration) -> Option
     let subscribed = timeout(limit, async {
         let client = match &target.servers {
             RedisServers::Primary(client) => client.clone(),
-            RedisServers::Sentinel { sentinels, .. } => {
-                sentinels.lock().await.async_get_client().await?
+            RedisServers::Sentinel {
+                sentinels,
+                group,
+                primary,
+            } => {
+                let config = AsyncConnectionConfig::new();
+                let ((host, port), _) = ask_sentinels(sentinels, group, &config).await?;
+                primary.client(&host, port)?
             }
             // A PUBLISH reaches every node of a Cluster.
             RedisServers::Cluster { seed, .. } => seed.clone(),

@@ -2,11 +2,11 @@
 //! URL says. Parsed and checked here, before any network I/O; the backend only connects.
 
 use std::fmt;
-use std::sync::Arc;
 
 use redis::cluster::ClusterClient;
-use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
-use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, TlsCertificates, TlsMode};
+use redis::{
+    ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisError, TlsCertificates, TlsMode,
+};
 
 use super::{invalid, ConfigError, RedactedUrl};
 
@@ -42,11 +42,11 @@ impl fmt::Debug for RedisTarget {
 pub enum RedisServers {
     /// One server, addressed directly.
     Primary(redis::Client),
-    /// The sentinels of a master group, asked for its primary at every connection. Shared, because
-    /// it keeps its connections to the sentinels between lookups.
+    /// The sentinels of a master group, asked in turn for its primary at every connection.
     Sentinel {
-        sentinels: Arc<tokio::sync::Mutex<SentinelClient>>,
+        sentinels: Vec<redis::Client>,
         group: String,
+        primary: PrimaryOf,
     },
     /// A Cluster, which follows `MOVED`/`ASK`; `seed` is its first node, for release announcements
     /// (a `PUBLISH` reaches every node of a Cluster).
@@ -56,11 +56,39 @@ pub enum RedisServers {
     },
 }
 
+/// How to reach the primary a sentinel names: its credentials, database and TLS settings.
+#[derive(Clone)]
+pub struct PrimaryOf {
+    node: ConnectionInfo,
+    tls: bool,
+    pem: Option<Vec<u8>>,
+}
+
+impl PrimaryOf {
+    pub fn client(&self, host: &str, port: u16) -> Result<redis::Client, RedisError> {
+        let addr = if self.tls {
+            ConnectionAddr::TcpTls {
+                host: host.to_owned(),
+                port,
+                insecure: false,
+                tls_params: None,
+            }
+        } else {
+            ConnectionAddr::Tcp(host.to_owned(), port)
+        };
+        let info = self.node.clone().set_addr(addr);
+        match certificates(self.pem.as_deref()) {
+            Some(certs) => redis::Client::build_with_tls(info, certs),
+            None => redis::Client::open(info),
+        }
+    }
+}
+
 #[derive(Clone)]
 enum Spec {
     Primary(ConnectionInfo),
     Sentinel {
-        sentinels: Vec<ConnectionAddr>,
+        sentinels: Vec<ConnectionInfo>,
         group: String,
         /// Database and credentials for the primary; the sentinels are asked without credentials.
         node: ConnectionInfo,
@@ -148,34 +176,15 @@ impl Spec {
                 group,
                 node,
                 tls,
-            } => {
-                let mut builder = SentinelClientBuilder::new(
-                    sentinels.clone(),
-                    group,
-                    SentinelServerType::Master,
-                )?
-                .set_client_to_redis_db(node.redis_settings().db());
-                if let Some(user) = node.redis_settings().username() {
-                    builder = builder.set_client_to_redis_username(user);
-                }
-                if let Some(password) = node.redis_settings().password() {
-                    builder = builder.set_client_to_redis_password(password);
-                }
-                if *tls {
-                    builder = builder
-                        .set_client_to_redis_tls_mode(TlsMode::Secure)
-                        .set_client_to_sentinel_tls_mode(TlsMode::Secure);
-                }
-                if let Some(certs) = certificates(pem) {
-                    builder = builder
-                        .set_client_to_redis_certificates(certs.clone())
-                        .set_client_to_sentinel_certificates(certs);
-                }
-                RedisServers::Sentinel {
-                    sentinels: Arc::new(tokio::sync::Mutex::new(builder.build()?)),
-                    group: group.clone(),
-                }
-            }
+            } => RedisServers::Sentinel {
+                sentinels: sentinels.iter().map(client).collect::<Result<_, _>>()?,
+                group: group.clone(),
+                primary: PrimaryOf {
+                    node: node.clone(),
+                    tls: *tls,
+                    pem: pem.map(<[u8]>::to_vec),
+                },
+            },
             Spec::Cluster { nodes, tls } => {
                 // The guard bounds every command itself; the client's own retries only follow
                 // redirections and refresh the slot map within that bound.
@@ -230,7 +239,12 @@ fn sentinel(scheme: &str, rest: &str) -> Result<(Spec, RedactedUrl), ConfigError
         .set_redis_settings(hosts.nodes[0].redis_settings().clone().set_db(db));
     Ok((
         Spec::Sentinel {
-            sentinels: hosts.nodes.iter().map(|n| n.addr().clone()).collect(),
+            // The sentinels are asked without credentials.
+            sentinels: hosts
+                .nodes
+                .iter()
+                .map(|n| n.clone().set_redis_settings(Default::default()))
+                .collect(),
             group: group.to_owned(),
             node,
             tls: hosts.tls,
@@ -358,13 +372,17 @@ mod tests {
         assert!(!tls);
         assert_eq!(node.redis_settings().db(), 2);
         assert_eq!(node.redis_settings().password(), Some("s@cret"));
+        let addresses: Vec<&ConnectionAddr> = sentinels.iter().map(|s| s.addr()).collect();
         assert_eq!(
-            sentinels,
-            &vec![
-                ConnectionAddr::Tcp("10.0.0.1".into(), 26379),
-                ConnectionAddr::Tcp("::1".into(), 26380)
+            addresses,
+            vec![
+                &ConnectionAddr::Tcp("10.0.0.1".into(), 26379),
+                &ConnectionAddr::Tcp("::1".into(), 26380)
             ]
         );
+        assert!(sentinels
+            .iter()
+            .all(|s| s.redis_settings().password().is_none()));
         assert!(target("rediss+sentinel://h1,h2/g").unwrap().uses_tls());
         for bad in [
             "redis+sentinel://h1,h2",
