@@ -21,6 +21,7 @@ use common::freeze::Freezer;
 use common::mariadb::MariaDb;
 use common::postgres::Postgres;
 use common::redis::Redis;
+use common::sentinel::{Sentinels, FAILOVER_LEASE};
 use common::*;
 use serde_json::{json, Value};
 
@@ -905,6 +906,150 @@ fn scheduled(report: &mut Report, servers: &Servers, settings: &Settings) {
     }
 }
 
+/// One sample of a guard's `/metrics` whose line starts with `name` and contains `label`.
+fn metric(port: u16, name: &str, label: &str) -> Option<f64> {
+    let text = ureq::get(&format!("http://127.0.0.1:{port}/metrics"))
+        .call()
+        .ok()?
+        .body_mut()
+        .read_to_string()
+        .ok()?;
+    text.lines()
+        .find(|line| line.starts_with(name) && line.contains(label))?
+        .rsplit(' ')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Redis behind Sentinel (a primary, two replicas, three sentinels with `down-after-milliseconds
+/// 1000`): what `--redis-min-replicas` adds to each renewal, how long a leader's lease rides through
+/// a primary SIGKILL, and how long a standby takes over when the leader's guard and the primary die
+/// together.
+fn redis_failover(report: &mut Report, settings: &Settings) {
+    let group = Sentinels::start();
+    let url = group.url();
+    for replicas in ["0", "1", "2"] {
+        let lab = Lab::new();
+        let port = free_port();
+        let address = format!("127.0.0.1:{port}");
+        let args = [
+            "--ttl",
+            "3s",
+            "--renew-interval",
+            "100ms",
+            "--check-timeout",
+            "500ms",
+            "--grace-period",
+            "1s",
+            "--redis-min-replicas",
+            replicas,
+            "--metrics-addr",
+            &address,
+        ];
+        let name = format!("wait-cost-{replicas}");
+        let mut guard = guard_cmd(&url, &name, &args, &timing_app(lab.dir.path(), None))
+            .spawn()
+            .unwrap();
+        stamp(lab.dir.path(), "started", Duration::from_secs(10)).expect("guard started");
+        std::thread::sleep(Duration::from_secs(if settings.quick { 2 } else { 10 }));
+        let sum = metric(port, "sentinel_guard_check_duration_seconds_sum", "");
+        let count = metric(port, "sentinel_guard_check_duration_seconds_count", "");
+        send(guard.id() as i32, 15);
+        let _ = guard.wait();
+        let (text, value) = match (sum, count) {
+            (Some(sum), Some(count)) if count > 0.0 => {
+                let mean_ms = sum / count * 1000.0;
+                (
+                    format!("{mean_ms:.2} ms mean over {count} renewals"),
+                    json!({"mean_ms": mean_ms, "renewals": count}),
+                )
+            }
+            _ => ("not measured".to_owned(), Value::Null),
+        };
+        report.row(
+            &format!("Redis renewal behind Sentinel, --redis-min-replicas {replicas} (WAIT)"),
+            "redis+sentinel",
+            text,
+            "",
+            value,
+        );
+    }
+    drop(group);
+
+    let rounds = if settings.quick { 1 } else { 5 };
+    let (mut ride, mut takeover) = (Stats::default(), Stats::default());
+    for round in 0..rounds {
+        // The leader keeps its lease through a primary SIGKILL: from the kill to its first renewal
+        // confirmed (and acknowledged by a replica) on the new primary.
+        let mut group = Sentinels::start();
+        let url = group.url();
+        let lab = Lab::new();
+        let port = free_port();
+        let address = format!("127.0.0.1:{port}");
+        let mut args = FAILOVER_LEASE.to_vec();
+        args.extend_from_slice(&["--redis-min-replicas", "1"]);
+        let mut leader_args = args.clone();
+        leader_args.extend_from_slice(&["--metrics-addr", &address]);
+        let name = format!("ride-{round}");
+        let mut leader = guard_cmd(&url, &name, &leader_args, &timing_app(lab.dir.path(), None))
+            .spawn()
+            .unwrap();
+        stamp(lab.dir.path(), "started", Duration::from_secs(10)).expect("leader started");
+        let ok =
+            |port| metric(port, "sentinel_guard_checks_total", "outcome=\"ok\"").unwrap_or(0.0);
+        let before = ok(port);
+        let killed = now_ns();
+        group.primary().kill9();
+        if wait_until(Duration::from_secs(20), || ok(port) > before) {
+            ride.push_ms(now_ns() - killed);
+        }
+        send(leader.id() as i32, 15);
+        let _ = leader.wait();
+        drop(group);
+
+        // The leader's guard and the primary die together (a lost host): from the kills to the
+        // standby's app, with a 3s ttl.
+        let mut group = Sentinels::start();
+        let url = group.url();
+        let (lead, standby) = (Lab::new(), Lab::new());
+        args.splice(0..8, SHORT_LEASE);
+        let name = format!("lost-host-{round}");
+        let mut leader = guard_cmd(&url, &name, &args, &timing_app(lead.dir.path(), None))
+            .spawn()
+            .unwrap();
+        stamp(lead.dir.path(), "started", Duration::from_secs(10)).expect("leader started");
+        let mut waiting = args.clone();
+        waiting.push("--wait");
+        let mut standby_guard =
+            guard_cmd(&url, &name, &waiting, &timing_app(standby.dir.path(), None))
+                .spawn()
+                .unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        let killed = now_ns();
+        send(leader.id() as i32, 9);
+        group.primary().kill9();
+        if let Some(started) = stamp(standby.dir.path(), "started", Duration::from_secs(30)) {
+            takeover.push_ms(started.saturating_sub(killed));
+        }
+        let _ = leader.wait();
+        send(standby_guard.id() as i32, 15);
+        let _ = standby_guard.wait();
+    }
+    report.latency(
+        "Sentinel: primary SIGKILLed -> leader's lease renewed on the new primary (--redis-min-replicas 1)",
+        "redis+sentinel",
+        &ride,
+        "< ttl - margin - grace (8.8s here)",
+    );
+    report.latency(
+        "Sentinel: primary and leader guard SIGKILLed -> standby's app started",
+        "redis+sentinel",
+        &takeover,
+        "<= failover + ttl (ttl 3s here)",
+    );
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick")
         || std::env::var_os("SENTINEL_BENCH_QUICK").is_some();
@@ -946,6 +1091,9 @@ fn main() {
     }
     if wanted("scheduled") {
         scheduled(&mut report, &servers, &settings);
+    }
+    if wanted("redis_failover") {
+        redis_failover(&mut report, &settings);
     }
 
     let mut table = String::from(

@@ -113,6 +113,11 @@ pub struct Cli {
     #[arg(long, env = "SENTINEL_GUARD_RENEW_INTERVAL", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub renew_interval: Option<Duration>,
 
+    /// Redis only: replicas that must acknowledge (WAIT) the acquisition and every renewal within
+    /// check-timeout, or the renewal counts as failed; with 0 a failover may lose the lease (0 to 16)
+    #[arg(long, env = "SENTINEL_GUARD_REDIS_MIN_REPLICAS", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=16), value_name = "N")]
+    pub redis_min_replicas: u32,
+
     /// Wait for the lock instead of exiting: forever, or up to DUR (at most 365d) and then exit with the held code
     #[arg(short = 'w', long, env = "SENTINEL_GUARD_WAIT", num_args = 0..=1, require_equals = true, default_missing_value = "forever", value_name = "DUR")]
     pub wait: Option<String>,

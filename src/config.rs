@@ -10,6 +10,10 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use thiserror::Error;
 
+mod redis_target;
+
+pub use redis_target::{RedisServers, RedisTarget};
+
 use crate::cli::{Cli, ForwardTo, LockArgs, LogFormat, OutputFormat, StatusArgs, Subcommand};
 use crate::window::{IfUnavailable, Schedule, ScheduleMode};
 
@@ -208,7 +212,17 @@ fn lock_target(args: &LockArgs) -> Result<(LockName, Option<Target>), ConfigErro
 impl Config {
     fn from_cli(cli: Cli, guard_switch: Option<&str>) -> Result<Config, ConfigError> {
         let guarded = parse_guard_switch(guard_switch)?;
-        let (name, target) = lock_target(&cli.lock)?;
+        let (name, mut target) = lock_target(&cli.lock)?;
+        if cli.redis_min_replicas > 0 {
+            match target.as_mut() {
+                Some(Target::Redis(redis)) => redis.min_replicas = cli.redis_min_replicas,
+                _ => {
+                    return Err(invalid(
+                        "--redis-min-replicas applies to a Redis lock only (redis://, redis+sentinel://, redis+cluster://)",
+                    ))
+                }
+            }
+        }
         if guarded && target.is_none() {
             return Err(invalid(
                 "no lock backend: set --url or --url-file (SENTINEL_GUARD_URL / SENTINEL_GUARD_URL_FILE), \
@@ -551,14 +565,6 @@ impl PostgresTls {
     }
 }
 
-#[derive(Debug, Clone)]
-pub struct RedisTarget {
-    pub client: redis::Client,
-    pub url: RedactedUrl,
-    /// Keys are `<prefix>:{<name>}`, `<prefix>:{<name>}:fence` and `<prefix>:{<name>}:released`.
-    pub prefix: String,
-}
-
 /// A backend URL in the only form that may be printed, with what is needed to scrub its password
 /// from any message that echoes it back.
 #[derive(Debug, Clone)]
@@ -568,6 +574,29 @@ pub struct RedactedUrl {
 }
 
 impl RedactedUrl {
+    /// A multi-host URL (`redis+sentinel://u:p@h1,h2/g`), which `url::Url` cannot hold.
+    fn of_parts(scheme: &str, userinfo: Option<&str>, hosts: &str, path: &str) -> RedactedUrl {
+        let (user, password) = match userinfo.map(|u| u.split_once(':')) {
+            Some(Some((user, password))) => (user, Some(password)),
+            Some(None) => (userinfo.unwrap_or_default(), None),
+            None => ("", None),
+        };
+        let password = password.filter(|p| !p.is_empty()).map(|p| {
+            percent_encoding::percent_decode_str(p)
+                .decode_utf8_lossy()
+                .into_owned()
+        });
+        let credentials = match (userinfo, &password) {
+            (None, _) => String::new(),
+            (Some(_), Some(_)) => format!("{user}:***@"),
+            (Some(_), None) => format!("{user}@"),
+        };
+        RedactedUrl {
+            shown: format!("{scheme}://{credentials}{hosts}{path}"),
+            password,
+        }
+    }
+
     fn of(url: &url::Url) -> RedactedUrl {
         let mut shown = url.clone();
         if url.password().is_some() {
@@ -605,9 +634,12 @@ impl fmt::Display for RedactedUrl {
 
 impl Target {
     pub fn parse(raw: &str, redis_prefix: &str) -> Result<Target, ConfigError> {
+        if let Some(redis) = RedisTarget::parse(raw, redis_prefix) {
+            return Ok(Target::Redis(Box::new(redis?)));
+        }
         let url = url::Url::parse(raw).map_err(|e| {
             invalid(format!(
-                "--url: not a valid URL ({e}); expected mysql://, postgres://, redis://, rediss:// or file:///abs/path.lock"
+                "--url: not a valid URL ({e}); expected mysql://, postgres://, redis://, rediss://, redis+sentinel://, redis+cluster:// or file:///abs/path.lock"
             ))
         })?;
         match url.scheme() {
@@ -645,13 +677,6 @@ impl Target {
                     secret: SecretUrl::new(raw.to_owned()),
                 })))
             }
-            "redis" | "rediss" => {
-                let url = RedactedUrl::of(&url);
-                let client =
-                    redis::Client::open(raw).map_err(|e| invalid(format!("--url {url}: {}", url.scrub(e))))?;
-                validate_redis_prefix(redis_prefix)?;
-                Ok(Target::Redis(Box::new(RedisTarget { client, url, prefix: redis_prefix.to_owned() })))
-            }
             "file" => {
                 if !matches!(url.host_str(), None | Some("") | Some("localhost")) {
                     return Err(invalid(format!(
@@ -667,7 +692,8 @@ impl Target {
                 Ok(Target::File(path))
             }
             other => Err(invalid(format!(
-                "--url: unsupported scheme {other:?}; expected mysql://, postgres://, redis://, rediss:// or file://"
+                "--url: unsupported scheme {other:?}; expected mysql://, postgres://, redis://, rediss://, redis+sentinel://, \
+                 redis+cluster:// (or their TLS forms rediss+...) or file://"
             ))),
         }
     }
@@ -693,23 +719,18 @@ impl Target {
                 mysql.ca_file = Some(ca.path.clone());
                 Ok(Target::Mysql(mysql))
             }
-            Target::Redis(mut redis) => {
-                if !redis.url.to_string().starts_with("rediss://") {
+            Target::Redis(redis) => {
+                if !redis.uses_tls() {
                     return Err(invalid(format!(
-                        "--ca-file {shown}: {} does not use TLS; use a rediss:// URL",
+                        "--ca-file {shown}: {} does not use TLS; use rediss://, rediss+sentinel:// or rediss+cluster://",
                         redis.url
                     )));
                 }
-                let certificates = redis::TlsCertificates {
-                    client_tls: None,
-                    root_cert: Some(ca.pem.clone()),
-                };
-                redis.client = redis::Client::build_with_tls(
-                    redis.client.get_connection_info().clone(),
-                    certificates,
-                )
-                .map_err(|e| invalid(format!("--ca-file {shown}: {}", redis.url.scrub(e))))?;
-                Ok(Target::Redis(redis))
+                let url = redis.url.clone();
+                let redis = redis
+                    .trusting(&ca.pem)
+                    .map_err(|e| invalid(format!("--ca-file {shown}: {}", url.scrub(e))))?;
+                Ok(Target::Redis(Box::new(redis)))
             }
             Target::Postgres(mut postgres) => {
                 if postgres.tls.mode == SslMode::Disable {
@@ -750,20 +771,6 @@ impl Target {
             Target::File(_) => "file",
         }
     }
-}
-
-/// The prefix must not break the `{name}` hash tag that keeps a lock's keys in one cluster slot.
-fn validate_redis_prefix(prefix: &str) -> Result<(), ConfigError> {
-    if prefix.is_empty()
-        || prefix
-            .chars()
-            .any(|c| c.is_whitespace() || c == '{' || c == '}')
-    {
-        return Err(invalid(format!(
-            "--redis-prefix {prefix:?}: must be non-empty, without spaces or braces"
-        )));
-    }
-    Ok(())
 }
 
 /// The timing knobs and the one inequality they must keep.
@@ -1281,6 +1288,8 @@ mod never_panics {
             Just("mysql://sg:pw@[::1]/test".to_owned()),
             Just("redis://[::1]:6379".to_owned()),
             Just("rediss://u:p@host/3".to_owned()),
+            Just("redis+sentinel://u:p@h1,[::1]:26380/mymaster/2".to_owned()),
+            Just("rediss+cluster://h1:7000,h2".to_owned()),
             Just("file:///tmp/prop.lock".to_owned()),
             "[a-z+]{1,8}://[a-z0-9@:\\[\\]./%]{0,24}",
             ".{0,20}",
@@ -1300,6 +1309,26 @@ mod never_panics {
             // The property is that this returns at all; either answer is fine.
             let _ = invocation(&guard_args(&url, &flags), switch.as_deref());
         }
+    }
+
+    #[test]
+    fn min_replicas_need_a_redis_lock() {
+        let with = |url: &str, n: &str| {
+            invocation(
+                &guard_args(url, &[("--redis-min-replicas", n.to_owned())]),
+                None,
+            )
+        };
+        let error = with("file:///tmp/x.lock", "1").unwrap_err();
+        assert!(error.contains("Redis lock only"), "{error}");
+        let Ok(Invocation::Guard(config)) = with("redis+sentinel://h1,h2/mymaster", "1") else {
+            panic!("a Sentinel URL with one replica was refused");
+        };
+        let Some(Target::Redis(redis)) = &config.target else {
+            panic!("not redis")
+        };
+        assert_eq!(redis.min_replicas, 1);
+        assert!(with("redis://h1", "17").is_err());
     }
 
     #[test]

@@ -5,12 +5,28 @@
 //! acquire or renewal + ttl - drift margin. The app is told to stop grace-period before that deadline
 //! and is SIGKILLed by it, whether or not Redis answers. A dropped connection is not a lost lease while
 //! the deadline holds: the guard reconnects and retries.
+//!
+//! Three topologies, one protocol. A single server is addressed directly. With Sentinel every
+//! connection starts by asking the sentinels for the group's primary and checking `ROLE` on the
+//! connection itself, so a reconnect after an error (a `READONLY` answer from a demoted primary, a
+//! dropped connection) finds the new primary. With Cluster the client follows `MOVED`/`ASK`; every key
+//! of a lock shares the `{name}` hash tag, so each script runs on the one node that owns the slot.
+//! A failover never extends a lease: the new primary is trusted only if it holds the guard's exact
+//! token (the renewal answers "not owner" otherwise), and the deadline still counts from the last
+//! renewal confirmed anywhere. Asynchronous replication can lose the newest writes, so with
+//! `--redis-min-replicas N` an acquisition or renewal counts only once `WAIT` says N replicas have it.
 
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use redis::aio::{MultiplexedConnection, PubSub};
-use redis::{AsyncConnectionConfig, ErrorKind, RedisError, Script};
+use redis::aio::{ConnectionLike, MultiplexedConnection, PubSub};
+use redis::cluster::ClusterConfig;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::{
+    AsyncConnectionConfig, Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, Role, Script,
+    ServerErrorKind, Value,
+};
 use tokio::time::{timeout, Instant};
 use tracing::{debug, info, warn};
 
@@ -19,7 +35,7 @@ use super::{
     connect_failure, Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock,
     HolderInfo, LockError, LockLoss, LockRequest, LossReason, Patience,
 };
-use crate::config::{LockName, RedisTarget, Timings};
+use crate::config::{LockName, RedisServers, RedisTarget, Timings};
 use crate::deadline::{self, Deadline};
 use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
@@ -30,9 +46,11 @@ use crate::window::{Claim, UnixMicros, WindowOutcome};
 /// (its fence is the one recorded in the clean key). A missing counter means a first acquisition or
 /// a server that lost its data: nobody can tell which, so it does not count as clean.
 ///
-/// Fencing tokens never go backwards, even when the server loses its data: a missing counter starts
-/// again from the server's clock in microseconds (`TIME`), above any token an earlier counter could
-/// have reached unless it was incremented more than a million times a second since it started.
+/// Fencing tokens never go backwards, even when the server loses its data or a failover loses the
+/// newest increments: each token is the counter + 1 or the server's clock in microseconds (`TIME`),
+/// whichever is larger, so a counter that lost writes (or all of them) resumes above any token it
+/// gave out, unless it was incremented more than a million times a second or the new server's clock
+/// is behind the old one's by more than the time the failover took.
 const ACQUIRE: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current then
@@ -47,11 +65,9 @@ local clean = 0
 if previous and previous == redis.call('GET', KEYS[3]) then
   clean = 1
 end
-if redis.call('EXISTS', KEYS[2]) == 0 then
-  local now = redis.call('TIME')
-  redis.call('SET', KEYS[2], string.format('%.0f', tonumber(now[1]) * 1000000 + tonumber(now[2])))
-end
-local fence = redis.call('INCR', KEYS[2])
+local now = redis.call('TIME')
+local fence = math.max(tonumber(previous or '0') + 1, tonumber(now[1]) * 1000000 + tonumber(now[2]))
+redis.call('SET', KEYS[2], string.format('%.0f', fence))
 -- Lua would print a number this large as 1.79e+15: the record keeps every digit.
 redis.call('SET', KEYS[1], ARGV[1] .. ' fence=' .. string.format('%.0f', fence) .. ' ' .. ARGV[2], 'NX', 'PX', ARGV[3])
 return {fence, clean}
@@ -155,26 +171,223 @@ impl Keys {
             lock,
         }
     }
+
+    /// The Cluster slot of every key: the CRC16 of the hash tag (what lies between the first `{` and
+    /// the next `}`), modulo 16384, as Redis computes it.
+    fn slot(&self) -> u16 {
+        let tag = self
+            .lock
+            .split_once('{')
+            .and_then(|(_, rest)| rest.split_once('}'))
+            .map_or(self.lock.as_str(), |(tag, _)| tag);
+        crc16::State::<crc16::XMODEM>::calculate(tag.as_bytes()) % 16384
+    }
 }
 
-async fn connect(
-    target: &RedisTarget,
-    limit: Duration,
-) -> Result<MultiplexedConnection, RedisError> {
+/// A connection to the node that holds the lock's keys, or to a whole Cluster.
+#[derive(Clone)]
+enum Conn {
+    Node(MultiplexedConnection),
+    /// To the node the sentinels named as primary, at `address`; `sentinel` (the sentinel that
+    /// named it, or the next that answers) is asked again before each use.
+    Primary {
+        conn: MultiplexedConnection,
+        address: (String, u16),
+        sentinel: Option<MultiplexedConnection>,
+    },
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Node(conn) | Conn::Primary { conn, .. } => conn.req_packed_command(cmd),
+            Conn::Cluster(conn) => conn.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Node(conn) | Conn::Primary { conn, .. } => {
+                conn.req_packed_commands(pipeline, offset, count)
+            }
+            Conn::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Node(conn) | Conn::Primary { conn, .. } => conn.get_db(),
+            Conn::Cluster(conn) => conn.get_db(),
+        }
+    }
+}
+
+impl Conn {
+    /// `WAIT` on the node that owns `keys`' slot: there the lock's writes were made.
+    async fn wait(
+        &mut self,
+        keys: &Keys,
+        replicas: u32,
+        limit: Duration,
+    ) -> Result<i64, RedisError> {
+        let mut wait = redis::cmd("WAIT");
+        // WAIT 0 would block for ever.
+        wait.arg(replicas).arg(millis(limit).max(1));
+        match self {
+            Conn::Node(conn) | Conn::Primary { conn, .. } => wait.query_async(conn).await,
+            Conn::Cluster(conn) => {
+                let route = Route::new(keys.slot(), SlotAddr::Master);
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+                redis::from_redis_value(conn.route_command(wait, routing).await?)
+                    .map_err(RedisError::from)
+            }
+        }
+    }
+}
+
+async fn connect(target: &RedisTarget, limit: Duration) -> Result<Conn, RedisError> {
     let config = AsyncConnectionConfig::new()
         .set_connection_timeout(Some(limit))
         .set_response_timeout(Some(limit));
-    target
-        .client
-        .get_multiplexed_async_connection_with_config(&config)
+    match &target.servers {
+        RedisServers::Primary(client) => Ok(Conn::Node(
+            client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await?,
+        )),
+        RedisServers::Sentinel {
+            sentinels,
+            group,
+            primary,
+        } => {
+            let (address, sentinel) = ask_sentinels(sentinels, group, &config).await?;
+            let shown = format!("{}:{}", address.0, address.1);
+            let mut conn = primary
+                .client(&address.0, address.1)?
+                .get_multiplexed_async_connection_with_config(&config)
+                .await?;
+            // Between the sentinels' answer and now a failover may have happened.
+            let role: Role = redis::cmd("ROLE").query_async(&mut conn).await?;
+            if !matches!(role, Role::Primary { .. }) {
+                return Err(RedisError::from((
+                    ErrorKind::Server(ServerErrorKind::ReadOnly),
+                    "the node the sentinels named is not a primary",
+                    shown,
+                )));
+            }
+            debug!(event = "redis_primary", group = %group, primary = %shown, "sentinels named the primary");
+            Ok(Conn::Primary {
+                conn,
+                address,
+                sentinel: Some(sentinel),
+            })
+        }
+        RedisServers::Cluster { cluster, .. } => {
+            let config = ClusterConfig::new()
+                .set_connection_timeout(limit)
+                .set_response_timeout(limit);
+            Ok(Conn::Cluster(
+                cluster.get_async_connection_with_config(config).await?,
+            ))
+        }
+    }
+}
+
+/// The primary of `group` as the first sentinel that answers names it, and the connection to that
+/// sentinel.
+async fn ask_sentinels(
+    sentinels: &[redis::Client],
+    group: &str,
+    config: &AsyncConnectionConfig,
+) -> Result<((String, u16), MultiplexedConnection), RedisError> {
+    let mut failure = RedisError::from((
+        ErrorKind::MasterNameNotFoundBySentinel,
+        "no sentinel names a primary for the group",
+        group.to_owned(),
+    ));
+    for sentinel in sentinels {
+        let answer = async {
+            let mut conn = sentinel
+                .get_multiplexed_async_connection_with_config(config)
+                .await?;
+            let named = named_primary(&mut conn, group).await?;
+            Ok::<_, RedisError>(named.map(|address| (address, conn)))
+        };
+        match answer.await {
+            Ok(Some(found)) => return Ok(found),
+            Ok(None) => {}
+            Err(e) => failure = e,
+        }
+    }
+    Err(failure)
+}
+
+async fn named_primary(
+    sentinel: &mut MultiplexedConnection,
+    group: &str,
+) -> Result<Option<(String, u16)>, RedisError> {
+    redis::cmd("SENTINEL")
+        .arg("GET-MASTER-ADDR-BY-NAME")
+        .arg(group)
+        .query_async(sentinel)
         .await
 }
 
+/// Drops a kept connection to a node the sentinels no longer name as the primary. A demoted primary
+/// may go on accepting writes until the sentinels reconfigure it, seconds later: a guard renewing
+/// there would never notice that a standby was granted the lock on the new primary. The next
+/// connection asks the sentinels again and checks ROLE. Sentinels that cannot answer within
+/// `limit` change nothing: the primary itself is what a renewal proves.
+async fn forget_demoted(target: &RedisTarget, slot: &mut Option<Conn>, limit: Duration) {
+    let (
+        Some(Conn::Primary {
+            address, sentinel, ..
+        }),
+        RedisServers::Sentinel {
+            sentinels, group, ..
+        },
+    ) = (slot.as_mut(), &target.servers)
+    else {
+        return;
+    };
+    let named = timeout(limit, async {
+        if let Some(conn) = sentinel.as_mut() {
+            if let Ok(named) = named_primary(conn, group).await {
+                return Ok(named);
+            }
+        }
+        // The kept sentinel failed: ask them all, and keep the one that answers.
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(limit))
+            .set_response_timeout(Some(limit));
+        let (named, conn) = ask_sentinels(sentinels, group, &config).await?;
+        *sentinel = Some(conn);
+        Ok::<_, RedisError>(Some(named))
+    })
+    .await;
+    match named {
+        Ok(Ok(Some(named))) if named != *address => {
+            info!(
+                event = "redis_primary_changed",
+                group = %group,
+                old = %format!("{}:{}", address.0, address.1),
+                new = %format!("{}:{}", named.0, named.1),
+                "the sentinels name another primary; reconnecting"
+            );
+            *slot = None;
+        }
+        _ => {}
+    }
+}
+
 /// A connection within `limit`, or the error that says why not.
-async fn connected(
-    target: &RedisTarget,
-    limit: Duration,
-) -> Result<MultiplexedConnection, LockError> {
+async fn connected(target: &RedisTarget, limit: Duration) -> Result<Conn, LockError> {
     match timeout(limit, connect(target, limit)).await {
         Ok(Ok(conn)) => Ok(conn),
         Ok(Err(e)) => Err(lock_error(target, &e)),
@@ -182,9 +395,23 @@ async fn connected(
     }
 }
 
-/// A failure that a retry cannot mend (wrong password, bad configuration, script error).
+/// A failure that a retry cannot mend (wrong password, bad configuration, script error). A node that
+/// is no longer (or not yet) the primary, a failover in progress, or sentinels that know no healthy
+/// primary for the moment are mended by asking again.
 fn is_permanent(e: &RedisError) -> bool {
-    !(e.is_io_error() || e.is_timeout() || e.is_connection_dropped())
+    let in_transition = matches!(
+        e.kind(),
+        ErrorKind::Server(
+            ServerErrorKind::ReadOnly
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::BusyLoading
+                | ServerErrorKind::Moved
+                | ServerErrorKind::Ask
+        ) | ErrorKind::MasterNameNotFoundBySentinel
+    );
+    !(in_transition || e.is_io_error() || e.is_timeout() || e.is_connection_dropped())
 }
 
 fn lock_error(target: &RedisTarget, e: &RedisError) -> LockError {
@@ -211,7 +438,7 @@ fn millis(d: Duration) -> u64 {
 
 enum Attempt {
     Won {
-        conn: MultiplexedConnection,
+        conn: Conn,
         fence: i64,
         clean: bool,
         sent: Deadline,
@@ -281,6 +508,8 @@ pub async fn acquire(
                     event = "lock_acquired",
                     fencing_token = fence,
                     key = %keys.lock,
+                    topology = target.topology(),
+                    min_replicas = target.min_replicas,
                     ttl = %humantime::format_duration(timings.ttl),
                     previous_release = if clean { "clean" } else { "expired" },
                     "redis lease acquired"
@@ -346,11 +575,12 @@ pub async fn acquire(
 /// One run of the acquire script, on the kept connection or a new one; a failed connection is dropped.
 async fn attempt(
     target: &RedisTarget,
-    slot: &mut Option<MultiplexedConnection>,
+    slot: &mut Option<Conn>,
     invocation: &redis::ScriptInvocation<'_>,
     keys: &Keys,
     timings: &Timings,
 ) -> Result<Attempt, Failure> {
+    forget_demoted(target, slot, timings.check_timeout / 2).await;
     let mut conn = match slot.take() {
         Some(conn) => conn,
         None => match timeout(
@@ -381,10 +611,20 @@ async fn attempt(
         return Err(Failure::silent(target, timings.check_timeout));
     }
     if fence > 0 {
+        if target.min_replicas > 0 {
+            if let Err(failure) =
+                acknowledged(&mut conn, target, keys, sent, timings.check_timeout).await
+            {
+                return Err(Failure {
+                    error: LockError::Unreachable(format!("{}: {}", target.url, failure.message)),
+                    permanent: false,
+                });
+            }
+        }
         return Ok(Attempt::Won {
             conn,
             fence,
-            clean: clean == 1,
+            clean: clean == 1 && target.release_marker_survives_failover(),
             sent,
         });
     }
@@ -401,7 +641,21 @@ async fn attempt(
 
 async fn subscribe(target: &RedisTarget, keys: &Keys, limit: Duration) -> Option<PubSub> {
     let subscribed = timeout(limit, async {
-        let mut pubsub = target.client.get_async_pubsub().await?;
+        let client = match &target.servers {
+            RedisServers::Primary(client) => client.clone(),
+            RedisServers::Sentinel {
+                sentinels,
+                group,
+                primary,
+            } => {
+                let config = AsyncConnectionConfig::new();
+                let ((host, port), _) = ask_sentinels(sentinels, group, &config).await?;
+                primary.client(&host, port)?
+            }
+            // A PUBLISH reaches every node of a Cluster.
+            RedisServers::Cluster { seed, .. } => seed.clone(),
+        };
+        let mut pubsub = client.get_async_pubsub().await?;
         pubsub.subscribe(&keys.released).await?;
         Ok::<_, RedisError>(pubsub)
     })
@@ -463,7 +717,7 @@ pub async fn status(
 /// The holder's identity and fencing token from the key's value (never its secret token), and how
 /// long its lease still runs. `None` once the key is gone or unreadable.
 async fn describe_holder(
-    conn: &mut MultiplexedConnection,
+    conn: &mut Conn,
     keys: &Keys,
     limit: Duration,
 ) -> Option<(HolderInfo, Duration)> {
@@ -471,7 +725,7 @@ async fn describe_holder(
 }
 
 async fn read_lease(
-    conn: &mut MultiplexedConnection,
+    conn: &mut Conn,
     keys: &Keys,
 ) -> Result<Option<(HolderInfo, Duration)>, RedisError> {
     let (value, remaining_ms): (Option<String>, i64) = redis::pipe()
@@ -631,12 +885,45 @@ pub async fn last_claim(
     }
 }
 
+/// `WAIT`s until `--redis-min-replicas` replicas have every write made on `conn` so far, within what
+/// is left of `limit` since `sent`.
+async fn acknowledged(
+    conn: &mut Conn,
+    target: &RedisTarget,
+    keys: &Keys,
+    sent: Deadline,
+    limit: Duration,
+) -> Result<(), ScriptFailure> {
+    let wanted = target.min_replicas;
+    let left = limit.saturating_sub(sent.elapsed());
+    let failure = |outcome, message| Err(ScriptFailure { outcome, message });
+    // The server answers with its count a little before the guard stops listening.
+    match timeout(left, conn.wait(keys, wanted, left * 9 / 10)).await {
+        Ok(Ok(acked)) if acked >= i64::from(wanted) => Ok(()),
+        Ok(Ok(acked)) => failure(
+            CheckOutcome::Timeout,
+            format!(
+                "{acked} of --redis-min-replicas {wanted} replicas acknowledged within {}",
+                humantime::format_duration(round(limit))
+            ),
+        ),
+        Ok(Err(e)) => failure(CheckOutcome::Error, target.url.scrub(e)),
+        Err(_) => failure(
+            CheckOutcome::Timeout,
+            format!(
+                "WAIT for {wanted} replicas did not answer within {}",
+                humantime::format_duration(round(limit))
+            ),
+        ),
+    }
+}
+
 struct Lease {
     target: RedisTarget,
     keys: Keys,
     token: String,
     /// Dropped after any error or timeout: a connection in an unknown state is never reused.
-    conn: Option<MultiplexedConnection>,
+    conn: Option<Conn>,
     timings: Timings,
     /// Send time of the last confirmed acquire or renewal + ttl - drift margin.
     valid_until: Deadline,
@@ -717,7 +1004,10 @@ impl Lease {
         let renew = Script::new(RENEW);
         let mut invocation = renew.key(&self.keys.lock);
         invocation.arg(&self.token).arg(millis(self.timings.ttl));
-        let result = self.bounded(&invocation).await;
+        let result = match self.bounded(&invocation).await {
+            Ok(1) if self.target.min_replicas > 0 => self.replicated(sent).await.map(|()| 1),
+            answered => answered,
+        };
         let outcome = match &result {
             Ok(1) => CheckOutcome::Ok,
             Ok(_) => CheckOutcome::Error,
@@ -747,6 +1037,7 @@ impl Lease {
         let target = &self.target;
         let slot = &mut self.conn;
         let result = timeout(limit, async {
+            forget_demoted(target, slot, limit / 2).await;
             if let Some(conn) = slot.as_mut() {
                 match invocation.invoke_async::<i64>(conn).await {
                     // Broken since its last use (a server restart, say): one more try on a fresh
@@ -778,6 +1069,22 @@ impl Lease {
         }
     }
 
+    /// The renewal sent at `sent` reached `--redis-min-replicas` replicas within check-timeout.
+    async fn replicated(&mut self, sent: Deadline) -> Result<(), ScriptFailure> {
+        let limit = self.timings.check_timeout;
+        let Some(conn) = self.conn.as_mut() else {
+            return Err(ScriptFailure {
+                outcome: CheckOutcome::Error,
+                message: "the connection was lost before WAIT".to_owned(),
+            });
+        };
+        let result = acknowledged(conn, &self.target, &self.keys, sent, limit).await;
+        if result.is_err() {
+            self.conn = None;
+        }
+        result
+    }
+
     /// Compare-and-delete, then a message on the release channel for waiting instances. A key that
     /// holds another token is never deleted.
     async fn release(mut self) -> Result<(), LockError> {
@@ -803,4 +1110,16 @@ impl Lease {
 /// Durations in logs, to the millisecond.
 fn round(d: Duration) -> Duration {
     Duration::from_millis(millis(d))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Keys;
+
+    #[test]
+    fn every_key_of_a_lock_is_in_the_slot_of_its_name() {
+        // The slots the Redis Cluster tutorial shows for `foo` and `hello`.
+        assert_eq!(Keys::new("sentinel-guard", "foo").slot(), 12182);
+        assert_eq!(Keys::new("other:prefix", "hello").slot(), 866);
+    }
 }

@@ -11,6 +11,7 @@ pub mod postgres;
 pub mod procs;
 pub mod proxy;
 pub mod redis;
+pub mod sentinel;
 pub mod tls;
 
 use std::fs;

@@ -12,20 +12,27 @@ pub struct Redis {
     dir: TempDir,
     pub port: u16,
     tls: bool,
+    /// More `redis-server` options: replication, cluster mode.
+    extra: Vec<String>,
     process: Option<Child>,
 }
 
 impl Redis {
     pub fn start() -> Redis {
-        Redis::launch(false)
+        Redis::launch(false, &[])
+    }
+
+    /// With more `redis-server` options, e.g. `["--replicaof", "127.0.0.1", "6380"]`.
+    pub fn start_with(extra: &[String]) -> Redis {
+        Redis::launch(false, extra)
     }
 
     /// TLS only, with a server certificate for 127.0.0.1 signed by `ca_cert()`.
     pub fn start_tls() -> Redis {
-        Redis::launch(true)
+        Redis::launch(true, &[])
     }
 
-    fn launch(tls: bool) -> Redis {
+    fn launch(tls: bool, extra: &[String]) -> Redis {
         let dir = tempfile::tempdir().unwrap();
         if tls {
             server_certificate(dir.path());
@@ -34,6 +41,7 @@ impl Redis {
             dir,
             port: free_port(),
             tls,
+            extra: extra.to_vec(),
             process: None,
         };
         server.boot();
@@ -66,6 +74,7 @@ impl Redis {
         } else {
             cmd.args(["--port", &self.port.to_string()]);
         }
+        cmd.args(&self.extra);
         let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
