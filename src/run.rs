@@ -462,15 +462,7 @@ impl Guard<'_> {
     /// Another replica holds the lock: it claimed this window, or a run of an earlier window goes
     /// on (busy), or it is claiming this window right now (look again shortly).
     async fn held_elsewhere(&self, target: &Target, window: &Window) -> Tried {
-        let timings = &self.config.timings;
-        let last = backend::last_claim(
-            target,
-            &self.config.name,
-            timings.connect_timeout,
-            timings.check_timeout,
-        )
-        .await;
-        let last = match last {
+        let last = match self.last_claim(target).await {
             Ok(Some(last)) => last,
             Ok(None) => return Tried::Retry,
             Err(e) => {
@@ -488,8 +480,8 @@ impl Guard<'_> {
         Tried::Decided(Outcome::WindowNotOurs)
     }
 
-    /// Whether the backend recorded this guard's claim of `window` although the claim's answer was lost.
-    async fn claimed_by_us(&self, target: &Target, window: &Window) -> bool {
+    /// The last window claimed under this guard's lock name.
+    async fn last_claim(&self, target: &Target) -> Result<Option<window::Claim>, LockError> {
         let timings = &self.config.timings;
         backend::last_claim(
             target,
@@ -498,9 +490,17 @@ impl Guard<'_> {
             timings.check_timeout,
         )
         .await
-        .ok()
-        .flatten()
-        .is_some_and(|last| last.window_start == window.start && last.holder_id == self.holder.id)
+    }
+
+    /// Whether the backend recorded this guard's claim of `window` although the claim's answer was lost.
+    async fn claimed_by_us(&self, target: &Target, window: &Window) -> bool {
+        self.last_claim(target)
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|last| {
+                last.window_start == window.start && last.holder_id == self.holder.id
+            })
     }
 
     /// Runs the app for a window: under `held` (its claim recorded, or with `--if-unavailable run`

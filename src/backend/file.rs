@@ -430,10 +430,8 @@ impl FileLock {
                 "this host's clock is outside the window",
             ));
         }
-        if let Some(last) = &self.record.claim {
-            if let Some(outcome) = last.blocks(window) {
-                return Ok(ClaimAnswer::Blocked(outcome, last.clone()));
-            }
+        if let Some(blocked) = ClaimAnswer::blocked_by(self.record.claim.as_ref(), window) {
+            return Ok(blocked);
         }
         self.write_claim(Claim {
             window_start: window.start,

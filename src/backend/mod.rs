@@ -330,6 +330,15 @@ pub enum ClaimAnswer {
     NotNow(&'static str),
 }
 
+impl ClaimAnswer {
+    /// `Blocked` when the last recorded claim keeps `window` from being claimed (`Claim::blocks`).
+    fn blocked_by(last: Option<&Claim>, window: &Window) -> Option<ClaimAnswer> {
+        let last = last?;
+        let outcome = last.blocks(window)?;
+        Some(ClaimAnswer::Blocked(outcome, last.clone()))
+    }
+}
+
 /// What a claim needs beyond the held lock.
 pub struct ClaimRequest<'a> {
     pub name: &'a LockName,

@@ -444,10 +444,8 @@ impl MysqlLock {
         let last = read_last_claim(conn, name, limit)
             .await
             .map_err(|e| query_error(target, "SELECT FROM sentinel_guard_windows", limit, e))?;
-        if let Some(last) = last {
-            if let Some(outcome) = last.blocks(request.window) {
-                return Ok(ClaimAnswer::Blocked(outcome, last));
-            }
+        if let Some(blocked) = ClaimAnswer::blocked_by(last.as_ref(), request.window) {
+            return Ok(blocked);
         }
         let inserted = match self.insert_claim(conn, request).await? {
             Insert::NoTable => {

@@ -648,10 +648,8 @@ impl PostgresLock {
         let name = request.name.as_str();
         let window = request.window;
         let last = read_last_claim(&client, target, name, limit).await?;
-        if let Some(last) = last {
-            if let Some(outcome) = last.blocks(window) {
-                return Ok(ClaimAnswer::Blocked(outcome, last));
-            }
+        if let Some(blocked) = ClaimAnswer::blocked_by(last.as_ref(), window) {
+            return Ok(blocked);
         }
         let (start, end) = (window.start / 1_000_000, window.end / 1_000_000);
         let insert = format!(
