@@ -750,18 +750,15 @@ impl Guard<'_> {
         };
         let mut app = match started {
             Ok(app) => app,
-            Err(StartError::Watchdog { error, gone }) => {
-                error!(event = "app_start_failed", error = %error, "cannot start the watchdog; the app was killed before the lock is given back");
-                self.release(held, &gone).await;
-                return Outcome::Internal.into();
-            }
             Err(e) => {
                 error!(event = "app_start_failed", error = %e, "app not started");
                 self.release_unused(held).await;
                 return match e {
                     StartError::Spawn(SpawnError::NotFound { .. }) => Outcome::NotFound,
                     StartError::Spawn(SpawnError::NotExecutable { .. }) => Outcome::NotExecutable,
-                    StartError::Setup(_) | StartError::Watchdog { .. } => Outcome::Internal,
+                    StartError::Setup(_)
+                    | StartError::Watchdog(_)
+                    | StartError::Spawn(SpawnError::WatchdogGone) => Outcome::Internal,
                 }
                 .into();
             }

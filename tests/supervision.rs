@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -389,4 +390,36 @@ fn sigkill_of_the_guard_kills_the_apps_whole_process_group() {
         wait_until(Duration::from_secs(2), || !alive(grandchild)),
         "grandchild {grandchild} outlived its SIGKILLed guard"
     );
+}
+
+#[test]
+fn an_app_that_kills_its_guard_as_it_starts_leaves_nothing_running() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("first.lock");
+    let gpid = lab.path("gpid");
+    // The app's first act: fork a grandchild (no death signal of its own), then SIGKILL the guard,
+    // before the guard has done anything after starting it. The watchdog was started before the
+    // app, so it already knows the app's group.
+    let script = format!(
+        "sleep 1000 & echo $! > {g}.tmp; mv {g}.tmp {g}; kill -9 $PPID; wait",
+        g = gpid.display()
+    );
+    let mut guard = lab.spawn(&guard_args("first", &url, &[]), &["sh", "-c", &script]);
+    let grandchild = read_pid(&gpid, Duration::from_secs(5));
+    assert_eq!(
+        guard.wait(Duration::from_secs(5)).signal(),
+        Some(9),
+        "the app SIGKILLed its guard"
+    );
+    assert!(
+        wait_until(Duration::from_secs(2), || !alive(grandchild)),
+        "grandchild {grandchild} outlived its SIGKILLed guard"
+    );
+    // The watchdog frees the file lock once the group is gone: the next guard gets it.
+    let (code, log) = lab.run(
+        &guard_args("first", &url, &[]),
+        &["true"],
+        Duration::from_secs(5),
+    );
+    assert_eq!(code, 0, "lock not freed after the tree was gone: {log}");
 }

@@ -18,7 +18,7 @@ use nix::fcntl::{Flock, FlockArg, OFlag};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::{pipe2, Pid};
 
-use common::procs::{argv, group_members, lock_lost_reasons, signal_now, state, watchdog_of};
+use common::procs::{group_members, lock_lost_reasons, signal_now, state, watchdog_of};
 use common::*;
 
 const GRACE: Duration = Duration::from_secs(1);
@@ -357,19 +357,15 @@ fn processes_of(uid: u32) -> Vec<i32> {
         .collect()
 }
 
-/// `guard <args> -- <app>` run as `NPROC_UID` with no supplementary groups, under
-/// `RLIMIT_NPROC = nproc` when given. prlimit and setpriv both exec, so the guard keeps the pid.
-fn unprivileged(lab: &Lab, nproc: Option<usize>, args: &[&str], app: &[&str]) -> Command {
+/// `guard <args> -- <app>` run as `NPROC_UID` with no supplementary groups. setpriv execs, so the
+/// guard keeps the pid.
+fn unprivileged(lab: &Lab, args: &[&str], app: &[&str]) -> Command {
     let uid = NPROC_UID.to_string();
-    let guard = launched_by(
+    launched_by(
         &lab.command(args, app),
         "setpriv",
         &["--reuid", &uid, "--regid", &uid, "--clear-groups", "--"],
-    );
-    match nproc {
-        Some(n) => launched_by(&guard, "prlimit", &[&format!("--nproc={n}")]),
-        None => guard,
-    }
+    )
 }
 
 fn flock_now(path: &Path) -> Option<Flock<File>> {
@@ -377,39 +373,27 @@ fn flock_now(path: &Path) -> Option<Flock<File>> {
     Flock::lock(file, FlockArg::LockExclusiveNonblock).ok()
 }
 
-/// f. The watchdog cannot be spawned (its fork fails with EAGAIN under RLIMIT_NPROC, the app's fork
-/// just before it having succeeded). The app must not run without its safety net: the guard stops
-/// it and exits 70 or 75, and the lock becomes free only once the app is dead.
+/// f. A fork fails once the lock is taken (EAGAIN under RLIMIT_NPROC): first the watchdog's, then,
+/// with room for one fork, the app's after the watchdog's. The watchdog is forked before the app, so
+/// the app must never run in either case: the guard exits 70 (no watchdog) or 126 (the command could
+/// not be started), stands down and reaps a watchdog it had started, and frees the lock.
 ///
-/// The limit is calibrated: a first run of the same guard, waiting for the lock, shows how many
-/// tasks (threads of every process of its uid) it has while idle (T), one of them the thread that
-/// waits in `flock` and ends once the lock is granted; the real run gets RLIMIT_NPROC = T (T - 1
-/// tasks when the app is forked, plus one), which leaves room for exactly one fork: the app's.
-///
-/// The test itself holds the flock until the guard waits, then releases it, lets the guard take it,
-/// and grabs it back the moment it is free, checking that nothing of the app is alive at that
-/// moment: a second locker that never sleeps more than a fraction of a millisecond.
-#[test]
-fn watchdog_spawn_failure_stops_the_app_before_the_lock_is_free() {
+/// The limit is set on the running guard while it waits for the lock (`prlimit --pid`), from the
+/// tasks (threads of every process of its uid) it has then (T), one of them the thread that waits
+/// in `flock` and ends once the lock is granted: RLIMIT_NPROC = T - 1 + room leaves room for `room`
+/// forks after acquiring.
+fn fork_failure_after_acquiring(room: usize) -> (i32, String, bool) {
     let mut lab = Lab::new();
     fs::set_permissions(lab.dir.path(), fs::Permissions::from_mode(0o777)).unwrap();
     let lock_path = lab.path("nproc.lock");
     fs::write(&lock_path, "").unwrap();
     fs::set_permissions(&lock_path, fs::Permissions::from_mode(0o666)).unwrap();
     let url = lab.file_url("nproc.lock");
-    let args = [
-        "--url",
-        url.as_str(),
-        "--name",
-        "nproc",
-        "--wait",
-        "--check-interval",
-        "100ms",
-        "--grace-period",
-        "1s",
-    ];
-    // A single process that never forks: under the limit, the app's own forks would fail too.
-    let app = ["sleep", "600"];
+    let args = ["--url", url.as_str(), "--name", "nproc", "--wait"];
+    // A single process that never forks, and leaves a mark if it ever runs.
+    let ran = lab.path("app-ran");
+    let script = format!("touch {}; exec sleep 600", ran.display());
+    let app = ["sh", "-c", script.as_str()];
     // Zombies of an earlier run count against the limit until init reaps them.
     assert!(
         wait_until(Duration::from_secs(10), || processes_of(NPROC_UID)
@@ -418,18 +402,15 @@ fn watchdog_spawn_failure_stops_the_app_before_the_lock_is_free() {
         processes_of(NPROC_UID)
     );
 
-    let mut ours = flock_now(&lock_path).expect("the lock file is free");
-    let waiting = |guard: &GuardProcess| {
-        assert!(
-            wait_until(Duration::from_secs(10), || guard
-                .log_text()
-                .contains("waiting")),
-            "the guard never waited: {}",
-            guard.log_text()
-        );
-    };
-    let mut calibration = lab.start(unprivileged(&lab, None, &args, &app));
-    waiting(&calibration);
+    let ours = flock_now(&lock_path).expect("the lock file is free");
+    let mut guard = lab.start(unprivileged(&lab, &args, &app));
+    assert!(
+        wait_until(Duration::from_secs(10), || guard
+            .log_text()
+            .contains("waiting")),
+        "the guard never waited: {}",
+        guard.log_text()
+    );
     let tasks: usize = processes_of(NPROC_UID)
         .iter()
         .map(|pid| {
@@ -438,67 +419,63 @@ fn watchdog_spawn_failure_stops_the_app_before_the_lock_is_free() {
                 .unwrap_or(0)
         })
         .sum();
-    calibration.signal(15);
-    calibration.wait(Duration::from_secs(10));
-    assert!(
-        wait_until(Duration::from_secs(10), || processes_of(NPROC_UID)
-            .is_empty()),
-        "the calibration run left {:?}",
-        processes_of(NPROC_UID)
-    );
-
-    let mut guard = lab.start(unprivileged(&lab, Some(tasks), &args, &app));
-    let guard_pid = guard.pid();
-    waiting(&guard);
+    let limit = (tasks - 1 + room).to_string();
+    // As the guard's own uid: lowering the limit of one's own process needs no privilege.
+    let uid = NPROC_UID.to_string();
+    let set = Command::new("setpriv")
+        .args([
+            "--reuid",
+            &uid,
+            "--regid",
+            &uid,
+            "--clear-groups",
+            "--",
+            "prlimit",
+        ])
+        .args([
+            "--pid",
+            &guard.pid().to_string(),
+            &format!("--nproc={limit}:{limit}"),
+        ])
+        .status()
+        .unwrap();
+    assert!(set.success(), "prlimit failed");
     drop(ours);
-    // Let the guard take the lock: it writes its identity, pid included, into the file.
-    let taken = wait_until(Duration::from_secs(10), || {
-        fs::read_to_string(&lock_path).is_ok_and(|s| s.contains(&format!(" pid={guard_pid} ")))
-            || guard.child.try_wait().unwrap().is_some()
-    });
-    assert!(taken, "the guard never took the lock: {}", guard.log_text());
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let (regained, alive_then) = loop {
-        if let Some(lock) = flock_now(&lock_path) {
-            // Anything of the app still running now runs while someone else holds the lock.
-            let alive_then: Vec<(i32, Vec<String>)> = processes_of(NPROC_UID)
-                .into_iter()
-                .filter(|pid| *pid != guard_pid && alive(*pid))
-                .filter(|pid| argv(*pid).get(1).map(String::as_str) != Some("__watchdog"))
-                .map(|pid| (pid, argv(pid)))
-                .collect();
-            break (lock, alive_then);
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the lock was never freed; log:\n{}",
-            guard.log_text()
-        );
-        std::thread::sleep(Duration::from_micros(200));
-    };
-    ours = regained;
 
     let code = guard.code(Duration::from_secs(10));
     let log = guard.log_text();
-    assert_ne!(
-        code, 126,
-        "the app's own fork failed, not the watchdog's: with {tasks} tasks while waiting, the guard \
-         now forks the watchdog first or starts a thread on acquiring; log:\n{log}"
-    );
-    assert!(
-        code == 70 || code == 75,
-        "exit {code} after the watchdog could not be spawned; log:\n{log}"
-    );
-    assert!(
-        alive_then.is_empty(),
-        "the lock was free while the app ran: {alive_then:?}; log:\n{log}"
-    );
     assert!(
         wait_until(Duration::from_secs(5), || processes_of(NPROC_UID)
             .iter()
             .all(|pid| !alive(*pid))),
-        "left running after the guard exited: {:?}",
+        "left running after the guard exited: {:?}; log:\n{log}",
         processes_of(NPROC_UID)
     );
-    drop(ours);
+    assert!(
+        flock_now(&lock_path).is_some(),
+        "the lock is still held after the guard exited; log:\n{log}"
+    );
+    (code, log, ran.exists())
+}
+
+#[test]
+fn watchdog_fork_failure_never_starts_the_app() {
+    let (code, log, ran) = fork_failure_after_acquiring(0);
+    assert_eq!(code, 70, "log:\n{log}");
+    assert!(log.contains("cannot start the watchdog"), "log:\n{log}");
+    assert!(!ran, "the app ran without its watchdog; log:\n{log}");
+}
+
+#[test]
+fn app_fork_failure_after_the_watchdog_stands_the_watchdog_down() {
+    let (code, log, ran) = fork_failure_after_acquiring(1);
+    assert_eq!(
+        code, 126,
+        "the watchdog's fork should have taken the one fork left; log:\n{log}"
+    );
+    assert!(
+        log.contains("Resource temporarily unavailable"),
+        "log:\n{log}"
+    );
+    assert!(!ran, "log:\n{log}");
 }

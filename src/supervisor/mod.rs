@@ -71,8 +71,9 @@ pub struct Supervisor {
 }
 
 impl Supervisor {
-    /// Spawns the app, then its watchdog; `stop_signal` and `grace` are what the watchdog uses if it
-    /// ever has to stop the app itself, `farewell` what it does for the lock if the guard dies.
+    /// Spawns the watchdog, then the app, which tells the watchdog its group before it runs the
+    /// command; `stop_signal` and `grace` are what the watchdog uses if it ever has to stop the app
+    /// itself, `farewell` what it does for the lock if the guard dies.
     pub async fn start(
         command: &[std::ffi::OsString],
         env: &AppEnv<'_>,
@@ -81,19 +82,19 @@ impl Supervisor {
         farewell: &Farewell<'_>,
     ) -> Result<Supervisor, StartError> {
         let mut reaper = reaper::Reaper::register().map_err(StartError::Setup)?;
-        let app = spawn::spawn(command, env).map_err(StartError::Spawn)?;
-        reaper.track_app(app);
-        let watchdog = match Watchdog::spawn(app, stop, &env.set, env.remove, farewell) {
-            Ok(watchdog) => watchdog,
-            Err(error) => {
-                // Without its dead man's switch the app must not run; the lock waits for its end.
-                let gone =
-                    teardown(&mut reaper, app, Signal::SIGKILL, Deadline::now(), || {}).await;
-                reaper.reap_app();
-                return Err(StartError::Watchdog { error, gone });
+        // Without its dead man's switch the app must not run.
+        let mut watchdog =
+            Watchdog::spawn(stop, &env.set, env.remove, farewell).map_err(StartError::Watchdog)?;
+        reaper.track_watchdog(watchdog.pid());
+        let app = match spawn::spawn(command, env, watchdog.app_link()) {
+            Ok(app) => app,
+            Err(e) => {
+                watchdog.send(Message::StandDown);
+                await_watchdog(&mut reaper, &watchdog).await;
+                return Err(StartError::Spawn(e));
             }
         };
-        reaper.track_watchdog(watchdog.pid());
+        reaper.track_app(app);
         info!(
             event = "app_started",
             app_pid = app.as_raw(),
@@ -184,7 +185,7 @@ impl Supervisor {
         self.watchdog.send(Message::KillBy(kill_by));
         let gone = teardown(&mut self.reaper, self.app, signal, kill_by, announce).await;
         self.watchdog.send(Message::StandDown);
-        let watchdog_acted = self.await_watchdog().await;
+        let watchdog_acted = await_watchdog(&mut self.reaper, &self.watchdog).await;
         // Only now may the app's pid, and with it its group id, be given to another process.
         self.reaper.reap_app();
         Stopped {
@@ -193,21 +194,21 @@ impl Supervisor {
             gone,
         }
     }
+}
 
-    /// Waits for the stood-down watchdog to exit; returns whether it ever acted.
-    async fn await_watchdog(&mut self) -> bool {
-        let until = Deadline::after(WATCHDOG_EXIT_WAIT);
-        loop {
-            self.reaper.reap();
-            if let Some(status) = self.reaper.watchdog_status() {
-                return watchdog::acted(status);
-            }
-            if until.has_passed() {
-                // It is the guard's own child, so its pid is still its own: no one else is hit.
-                let _ = kill(self.watchdog.pid(), Signal::SIGKILL);
-            }
-            self.reaper.child_event(TEARDOWN_TICK).await;
+/// Waits for the stood-down watchdog to exit; returns whether it ever acted.
+async fn await_watchdog(reaper: &mut reaper::Reaper, watchdog: &Watchdog) -> bool {
+    let until = Deadline::after(WATCHDOG_EXIT_WAIT);
+    loop {
+        reaper.reap();
+        if let Some(status) = reaper.watchdog_status() {
+            return watchdog::acted(status);
         }
+        if until.has_passed() {
+            // It is the guard's own child, so its pid is still its own: no one else is hit.
+            let _ = kill(watchdog.pid(), Signal::SIGKILL);
+        }
+        reaper.child_event(TEARDOWN_TICK).await;
     }
 }
 
@@ -291,12 +292,9 @@ pub enum StartError {
     Setup(std::io::Error),
     #[error(transparent)]
     Spawn(SpawnError),
-    /// The app was started but its watchdog was not; the app has been killed and is gone.
-    #[error("cannot start the watchdog: {error}")]
-    Watchdog {
-        error: std::io::Error,
-        gone: TreeGone,
-    },
+    /// The watchdog could not be started, so the app was not.
+    #[error("cannot start the watchdog: {0}")]
+    Watchdog(std::io::Error),
 }
 
 impl std::fmt::Debug for TreeGone {

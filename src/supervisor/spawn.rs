@@ -2,17 +2,19 @@
 
 use std::ffi::OsString;
 use std::io;
-use std::os::fd::BorrowedFd;
+use std::os::fd::{BorrowedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::sync::OnceLock;
 
-use nix::libc::rlim_t;
+use nix::libc::{self, rlim_t};
 use nix::sys::prctl;
 use nix::sys::resource::{getrlimit, setrlimit, Resource};
 use nix::sys::signal::{raise, sigprocmask, SigSet, SigmaskHow, Signal};
 use nix::unistd::{getpgrp, getpid, getppid, isatty, setpgid, tcgetpgrp, tcsetpgrp, Pid};
 use thiserror::Error;
+
+use super::watchdog::{AppLink, Message};
 
 #[derive(Debug, Error)]
 pub enum SpawnError {
@@ -20,6 +22,10 @@ pub enum SpawnError {
     NotFound { command: String },
     #[error("command cannot be executed: {command}: {source}")]
     NotExecutable { command: String, source: io::Error },
+    /// The watchdog could not be executed, or ended before the app's process could tell it its
+    /// group; the app's process did not run the command.
+    #[error("the watchdog ended before the app could start")]
+    WatchdogGone,
 }
 
 /// The descriptor limits the guard started with, before `raise_descriptor_limit`: the app gets them
@@ -45,11 +51,13 @@ pub struct AppEnv<'a> {
     pub set: Vec<(&'static str, String)>,
 }
 
-/// Spawns the app and returns its pid, which is also its process group id.
+/// Spawns the app and returns its pid, which is also its process group id. Before it executes the
+/// command, the app's process waits until the watchdog runs and writes its group down the
+/// watchdog's pipe.
 ///
 /// Must run on the thread that lives as long as the guard: `PR_SET_PDEATHSIG` fires when the
 /// spawning *thread* exits, not the process.
-pub fn spawn(command: &[OsString], env: &AppEnv<'_>) -> Result<Pid, SpawnError> {
+pub fn spawn(command: &[OsString], env: &AppEnv<'_>, watchdog: AppLink) -> Result<Pid, SpawnError> {
     let (program, args) = command.split_first().expect("clap requires a command");
     let mut cmd = Command::new(program);
     cmd.args(args);
@@ -69,7 +77,7 @@ pub fn spawn(command: &[OsString], env: &AppEnv<'_>) -> Result<Pid, SpawnError> 
             if let Some((soft, hard)) = nofile {
                 setrlimit(Resource::RLIMIT_NOFILE, soft, hard)?;
             }
-            prepare_child(guard_pid, take_foreground)
+            prepare_child(guard_pid, take_foreground, watchdog)
         });
     }
     let describe = || program.to_string_lossy().into_owned();
@@ -78,6 +86,7 @@ pub fn spawn(command: &[OsString], env: &AppEnv<'_>) -> Result<Pid, SpawnError> 
         Err(e) if e.kind() == io::ErrorKind::NotFound => Err(SpawnError::NotFound {
             command: describe(),
         }),
+        Err(e) if e.raw_os_error() == Some(libc::EPIPE) => Err(SpawnError::WatchdogGone),
         Err(e) => Err(SpawnError::NotExecutable {
             command: describe(),
             source: e,
@@ -93,7 +102,7 @@ fn owns_terminal_foreground() -> bool {
     isatty(stdin).unwrap_or(false) && tcgetpgrp(stdin).ok() == Some(getpgrp())
 }
 
-fn prepare_child(guard_pid: Pid, take_foreground: bool) -> io::Result<()> {
+fn prepare_child(guard_pid: Pid, take_foreground: bool, watchdog: AppLink) -> io::Result<()> {
     // Its own group, so one signal reaches the app and everything it forks.
     setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
     prctl::set_pdeathsig(Signal::SIGKILL)?;
@@ -101,6 +110,8 @@ fn prepare_child(guard_pid: Pid, take_foreground: bool) -> io::Result<()> {
     if getppid() != guard_pid {
         let _ = raise(Signal::SIGKILL);
     }
+    await_watchdog_exec(watchdog.exec_status)?;
+    tell_watchdog(watchdog.pipe)?;
     if take_foreground {
         // Take the terminal's foreground so Ctrl-C reaches the app. From a background group that
         // raises SIGTTOU unless blocked; ENOTTY/ENXIO (no controlling terminal) are fine to ignore.
@@ -110,5 +121,43 @@ fn prepare_child(guard_pid: Pid, take_foreground: bool) -> io::Result<()> {
     }
     // Handlers reset at exec, but a blocked mask would be inherited: the app starts with none.
     sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
+    Ok(())
+}
+
+/// Waits until the watchdog's process has executed the watchdog (the status pipe's end: EOF), so the
+/// command never runs before its dead man's switch does. An errno instead means it could not.
+/// Async-signal-safe.
+fn await_watchdog_exec(status: RawFd) -> io::Result<()> {
+    let mut errno = [0u8; 4];
+    loop {
+        // SAFETY: read(2) into a stack buffer of the length given.
+        match unsafe { libc::read(status, errno.as_mut_ptr().cast(), errno.len()) } {
+            0 => return Ok(()),
+            // Told apart from the command's own exec errors by the guard (`SpawnError::WatchdogGone`).
+            n if n > 0 => return Err(io::Error::from_raw_os_error(libc::EPIPE)),
+            _ if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) => {}
+            _ => return Err(io::Error::last_os_error()),
+        }
+    }
+}
+
+/// Sends the app's group to the watchdog, from the app's own process before exec: from the moment
+/// anything of the app can run, a guard that dies leaves the watchdog knowing what to kill.
+/// Async-signal-safe: a stack buffer and raw system calls.
+fn tell_watchdog(watchdog: RawFd) -> io::Result<()> {
+    let message = Message::AppGroup(getpid()).encode();
+    // A closed pipe must fail the write, not kill this process: the guard then learns why the app
+    // did not start. The disposition is put back, as an ignored signal would stay ignored in the app.
+    // SAFETY: signal(2) and write(2) with a stack buffer have no memory-safety preconditions.
+    let written = unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+        let written = libc::write(watchdog, message.as_ptr().cast(), message.len());
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        written
+    };
+    // Nine bytes, below PIPE_BUF: written whole or not at all.
+    if written < 0 {
+        return Err(io::Error::last_os_error());
+    }
     Ok(())
 }

@@ -18,25 +18,28 @@
 //! - **The guard tears the app down**: it stays armed with `kill_by = min(now + grace, deadline)`,
 //!   so a guard frozen or killed half-way through teardown still leaves no app behind.
 //!
-//! The watchdog is the guard's own binary run as `sentinel-guard __watchdog <group> <signal>
-//! <grace-ns>`. On fd 3 (a pipe) it reads the hand-over (a flag saying whether fd 4 is a locked
-//! descriptor to keep, and a length-prefixed farewell message), then 9-byte messages. It ignores every
-//! catchable signal: only the pipe ends it. All moments are `CLOCK_BOOTTIME` nanoseconds.
+//! The watchdog is started before the app, so no moment exists in which the app runs and a killed
+//! guard would leave it unwatched. It is the guard's own binary run as `sentinel-guard __watchdog
+//! <signal> <grace-ns>`. On fd 3 (a pipe) it reads the hand-over (a flag saying whether fd 4 is a
+//! locked descriptor to keep, and a length-prefixed farewell message), then 9-byte messages, the
+//! first of them the app's group, written by the app's own process between fork and exec. It ignores
+//! every catchable signal: only the pipe ends it. All moments are `CLOCK_BOOTTIME` nanoseconds.
 
+use std::ffi::CString;
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::process::CommandExt;
-use std::process::{Command, ExitCode, Stdio};
+use std::os::unix::ffi::OsStrExt;
+use std::process::ExitCode;
 use std::time::Duration;
 
 use nix::errno::Errno;
 use nix::fcntl::{fcntl, FcntlArg, FdFlag, OFlag};
 use nix::libc;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-use nix::sys::signal::{killpg, Signal};
+use nix::sys::signal::{killpg, sigprocmask, SigSet, SigmaskHow, Signal};
 use nix::sys::stat::{fstat, SFlag};
-use nix::unistd::{pipe2, Pid};
+use nix::unistd::{fork, pipe2, ForkResult, Pid};
 use tracing::{debug, error, info, info_span, warn};
 use tracing_appender::non_blocking::WorkerGuard;
 
@@ -69,6 +72,9 @@ const GROUP_GONE_WARN: Duration = Duration::from_secs(2);
 /// What the guard tells its watchdog after the hand-over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Message {
+    /// The app's process group: sent by the app's process itself before it executes the command, so
+    /// the watchdog knows it before anything of the app can run.
+    AppGroup(Pid),
     /// The lock was proven: the app must be dead by this moment if nothing more is heard.
     LockDeadline(Deadline),
     /// The guard is stopping the app itself: SIGKILL the group at this moment if it still lives.
@@ -82,8 +88,10 @@ pub enum Message {
 const MESSAGE_LEN: usize = 9;
 
 impl Message {
-    fn encode(self) -> [u8; MESSAGE_LEN] {
+    /// Allocates nothing: the app's process encodes its group between fork and exec.
+    pub fn encode(self) -> [u8; MESSAGE_LEN] {
         let (tag, at) = match self {
+            Message::AppGroup(group) => (5, u64::from(group.as_raw().unsigned_abs())),
             Message::LockDeadline(at) => (1, at.as_nanos()),
             Message::KillBy(at) => (2, at.as_nanos()),
             Message::LockLost => (3, 0),
@@ -104,6 +112,10 @@ impl Message {
             2 => Some(Message::KillBy(at)),
             3 => Some(Message::LockLost),
             4 => Some(Message::StandDown),
+            5 => i32::try_from(at.as_nanos())
+                .ok()
+                .filter(|group| *group > 1)
+                .map(|group| Message::AppGroup(Pid::from_raw(group))),
             _ => None,
         }
     }
@@ -196,7 +208,7 @@ impl Switch {
             }
             Message::KillBy(_) => {}
             Message::LockLost => self.farewell = false,
-            Message::StandDown => {}
+            Message::AppGroup(_) | Message::StandDown => {}
         }
     }
 }
@@ -246,17 +258,32 @@ fn decode_handover(pipe: &mut impl Read) -> io::Result<(bool, Vec<u8>)> {
 pub struct Watchdog {
     pipe: File,
     pid: Pid,
+    /// Ends (EOF) once the watchdog's process has executed the watchdog; carries an errno if it
+    /// could not. The app's process waits on it before it runs the command (`AppLink`).
+    exec_status: OwnedFd,
     /// A message could not be written because the pipe is full: the watchdog has stopped reading
     /// (stopped or stuck), so it can no longer be counted on.
     jammed: bool,
 }
 
+/// What the app's process, between fork and exec, needs of the watchdog: to wait until the
+/// watchdog runs, then to write its group down the watchdog's pipe. Both close-on-exec descriptors
+/// of the guard.
+#[derive(Debug, Clone, Copy)]
+pub struct AppLink {
+    pub exec_status: RawFd,
+    pub pipe: RawFd,
+}
+
 impl Watchdog {
-    /// Starts the watchdog for the app's group, with no deadline yet. `context` names the lock
+    /// Starts the watchdog, before the app, with no deadline yet. `context` names the lock
     /// (`SENTINEL_GUARD_NAME`, `_BACKEND`, `_HOLDER_ID`) so the watchdog's log lines say whose app
     /// it acts on; `hidden` are variables it must not inherit (credentials).
+    ///
+    /// Forks and returns at once: the guard does not wait for the exec of its binary (about a third of
+    /// a millisecond, on the path to the app's start). The app's process waits for it instead, in
+    /// parallel with its own fork (`AppLink`), so the command never runs unwatched.
     pub fn spawn(
-        app_group: Pid,
         (stop_signal, grace): (Signal, Duration),
         context: &[(&str, String)],
         hidden: &[&str],
@@ -265,50 +292,67 @@ impl Watchdog {
         // Close-on-exec, so the app never inherits an end: a stray write end would keep the pipe
         // open after the guard died.
         let (read_end, write_end) = pipe2(OFlag::O_CLOEXEC)?;
-        let mut cmd = Command::new("/proc/self/exe");
-        cmd.arg("__watchdog")
-            .arg(app_group.as_raw().to_string())
-            .arg(stop_signal.as_str())
-            .arg(grace.as_nanos().to_string())
-            .envs(context.iter().map(|(k, v)| (k, v)))
-            .env(crate::logging::FORMAT_VAR, crate::logging::format_name())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null());
-        for key in hidden {
-            cmd.env_remove(key);
-        }
+        let (status_read, status_write) = pipe2(OFlag::O_CLOEXEC)?;
         // Never blocks the guard: a watchdog that stops reading must not stall checks and kills.
         fcntl(&write_end, FcntlArg::F_SETFL(OFlag::O_NONBLOCK))?;
-        let source = read_end.as_raw_fd();
-        let kept = farewell.keep.map(|fd| fd.as_raw_fd());
-        // SAFETY: between fork and exec only async-signal-safe calls, no allocation.
-        unsafe {
-            cmd.pre_exec(move || {
-                // Ignored before exec, and ignored dispositions survive exec: a signal sent to the
-                // guard's group while the watchdog starts up cannot kill it either.
-                for number in ignored_signals() {
-                    libc::signal(number, libc::SIG_IGN);
-                }
-                // Both moved out of the way first, so placing one cannot overwrite the other.
-                let source = park(source)?;
-                let kept = kept.map(park).transpose()?;
-                hand_down(source, MESSAGE_FD)?;
-                if let Some(kept) = kept {
-                    hand_down(kept, KEPT_FD)?;
-                }
-                Ok(())
-            });
-        }
-        let child = cmd.spawn()?;
-        drop(read_end);
+        // Everything the child uses is made before the fork: in the child of a process with threads
+        // only async-signal-safe calls may run until exec, and allocating is not one.
+        let grace = grace.as_nanos().to_string();
+        let argv = c_strings([
+            "/proc/self/exe".as_bytes(),
+            b"__watchdog",
+            stop_signal.as_str().as_bytes(),
+            grace.as_bytes(),
+        ])?;
+        let mut set: Vec<(&str, &str)> = context.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        set.push((crate::logging::FORMAT_VAR, crate::logging::format_name()));
+        let inherited = std::env::vars_os()
+            .filter(|(key, _)| {
+                !hidden
+                    .iter()
+                    .chain(set.iter().map(|(k, _)| k))
+                    .any(|h| key == h)
+            })
+            .map(|(key, value)| [key.as_bytes(), b"=", value.as_bytes()].concat());
+        let envp = c_strings(
+            inherited.chain(
+                set.iter()
+                    .map(|(k, v)| [k.as_bytes(), b"=", v.as_bytes()].concat()),
+            ),
+        )?;
+        let dev_null = File::options().read(true).write(true).open("/dev/null")?;
+        let plan = ExecPlan {
+            argv: pointers(&argv),
+            envp: pointers(&envp),
+            message: read_end.as_raw_fd(),
+            kept: farewell.keep.map(|fd| fd.as_raw_fd()),
+            dev_null: dev_null.as_raw_fd(),
+            status: status_write.as_raw_fd(),
+        };
+        // SAFETY: the child runs only `exec_watchdog`, which makes async-signal-safe system calls on
+        // memory prepared above and never returns.
+        let pid = match unsafe { fork() }? {
+            ForkResult::Child => exec_watchdog(&plan),
+            ForkResult::Parent { child } => child,
+        };
+        drop((read_end, status_write));
         let mut pipe = File::from(write_end);
         // Written before any message; far below the pipe's capacity, so it never blocks.
         pipe.write_all(&encode_handover(farewell))?;
         Ok(Watchdog {
             pipe,
-            pid: Pid::from_raw(child.id() as i32),
+            pid,
+            exec_status: status_read,
             jammed: false,
         })
+    }
+
+    /// What the app's process needs of the watchdog before it may run the command.
+    pub fn app_link(&self) -> AppLink {
+        AppLink {
+            exec_status: self.exec_status.as_raw_fd(),
+            pipe: self.pipe.as_raw_fd(),
+        }
     }
 
     pub fn pid(&self) -> Pid {
@@ -339,6 +383,67 @@ impl Watchdog {
                 error!(event = "watchdog_unreachable", error = %e, "cannot reach the watchdog")
             }
         }
+    }
+}
+
+/// NUL-terminated copies of `items`; an item with a NUL inside cannot be passed to exec.
+fn c_strings<T: Into<Vec<u8>>>(items: impl IntoIterator<Item = T>) -> io::Result<Vec<CString>> {
+    items
+        .into_iter()
+        .map(|item| CString::new(item).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e)))
+        .collect()
+}
+
+/// The NULL-terminated pointer array exec takes, borrowing `strings`.
+fn pointers(strings: &[CString]) -> Vec<*const libc::c_char> {
+    strings
+        .iter()
+        .map(|s| s.as_ptr())
+        .chain(std::iter::once(std::ptr::null()))
+        .collect()
+}
+
+/// What the watchdog's process does between fork and exec, all of it prepared before the fork.
+struct ExecPlan {
+    argv: Vec<*const libc::c_char>,
+    envp: Vec<*const libc::c_char>,
+    message: RawFd,
+    kept: Option<RawFd>,
+    dev_null: RawFd,
+    /// The write end of the exec-status pipe: an errno goes there if exec fails.
+    status: RawFd,
+}
+
+/// The forked watchdog's way to exec. Async-signal-safe: no allocation, no lock, raw system calls.
+fn exec_watchdog(plan: &ExecPlan) -> ! {
+    let failed = (|| -> io::Result<()> {
+        // Ignored before exec, and ignored dispositions survive exec: a signal sent to the guard's
+        // group while the watchdog starts up cannot kill it either.
+        for number in ignored_signals() {
+            // SAFETY: signal(2) installing SIG_IGN runs no handler code.
+            unsafe { libc::signal(number, libc::SIG_IGN) };
+        }
+        // The guard's blocked signals would be inherited through exec: the watchdog starts with none.
+        sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
+        // Moved out of the way first, so placing one cannot overwrite another.
+        let source = park(plan.message)?;
+        let kept = plan.kept.map(park).transpose()?;
+        hand_down(plan.dev_null, 0)?;
+        hand_down(plan.dev_null, 1)?;
+        hand_down(source, MESSAGE_FD)?;
+        if let Some(kept) = kept {
+            hand_down(kept, KEPT_FD)?;
+        }
+        // SAFETY: both arrays are NULL-terminated and point into CStrings the parent made.
+        unsafe { libc::execve(plan.argv[0], plan.argv.as_ptr(), plan.envp.as_ptr()) };
+        Err(io::Error::last_os_error())
+    })()
+    .err();
+    let errno = failed.and_then(|e| e.raw_os_error()).unwrap_or(libc::EIO);
+    // SAFETY: write(2) of a stack buffer, then _exit(2): no unwinding, no atexit handlers.
+    unsafe {
+        libc::write(plan.status, errno.to_le_bytes().as_ptr().cast(), 4);
+        libc::_exit(127)
     }
 }
 
@@ -385,19 +490,18 @@ fn ignored_signals() -> impl Iterator<Item = i32> {
     (1..=libc::SIGRTMAX()).filter(move |s| !faults.contains(s))
 }
 
-/// `sentinel-guard __watchdog <app-group> <stop-signal> <grace-ns>`.
+/// `sentinel-guard __watchdog <stop-signal> <grace-ns>`.
 pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
     let parsed = (|| {
-        let group: i32 = args.first()?.parse().ok()?;
-        let signal: Signal = args.get(1)?.parse().ok()?;
-        let grace: u64 = args.get(2)?.parse().ok()?;
-        (group > 1).then_some((Pid::from_raw(group), signal, Duration::from_nanos(grace)))
+        let signal: Signal = args.first()?.parse().ok()?;
+        let grace: u64 = args.get(1)?.parse().ok()?;
+        (args.len() == 2).then_some((signal, Duration::from_nanos(grace)))
     })();
     // Run by hand, fd 3 is whatever the shell left there: never adopt a descriptor that is not the
     // guard's pipe.
     let is_pipe = fstat(unsafe { BorrowedFd::borrow_raw(MESSAGE_FD) })
         .is_ok_and(|st| SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFIFO);
-    let (Some((group, stop_signal, grace)), true) = (parsed, is_pipe) else {
+    let (Some((stop_signal, grace)), true) = (parsed, is_pipe) else {
         eprintln!("sentinel-guard: __watchdog is internal to the guard and cannot be run by hand");
         return ExitCode::from(crate::outcome::EXIT_USAGE);
     };
@@ -408,10 +512,12 @@ pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
     }
     // SAFETY: fd 3 was handed over by the guard and is owned by this process alone.
     let mut pipe = File::from(unsafe { OwnedFd::from_raw_fd(MESSAGE_FD) });
-    let mut log = Log::new(group);
+    let mut log = Log {
+        group: None,
+        started: None,
+    };
     let Ok((keeps_fd, message)) = decode_handover(&mut pipe) else {
-        // The guard died before it finished the hand-over.
-        guard_gone(group, None, &[], farewell, &mut log);
+        // The guard died before it finished the hand-over, so before it started the app.
         return ExitCode::SUCCESS;
     };
     // SAFETY: fd 4 was handed over with the flag that says so.
@@ -426,13 +532,13 @@ pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
         }
     };
     let mut switch = Switch::new(grace);
-    match watch(&mut pipe, timer, group, stop_signal, &mut switch, &mut log) {
+    match watch(&mut pipe, timer, stop_signal, &mut switch, &mut log) {
         Ended::Acted => ExitCode::from(EXIT_ACTED),
         Ended::StoodDown => ExitCode::SUCCESS,
         Ended::GuardGone => {
             let message = if switch.farewell { &message[..] } else { &[] };
             let kept = if switch.farewell { kept } else { None };
-            guard_gone(group, kept, message, farewell, &mut log);
+            guard_gone(kept, message, farewell, &mut log);
             ExitCode::SUCCESS
         }
     }
@@ -447,19 +553,13 @@ enum Ended {
 /// The watchdog's logging, set up only once it has something to say (always after the action it
 /// reports: kill first, log after). A watchdog that is stood down, its usual end, never starts the
 /// log writer thread: it starts and exits sooner, which a hand-over waits for, and costs fewer pages.
+/// It also holds the app's group, once the app's process has sent it: nothing is signalled before.
 struct Log {
-    group: Pid,
+    group: Option<Pid>,
     started: Option<(tracing::span::EnteredSpan, WorkerGuard)>,
 }
 
 impl Log {
-    fn new(group: Pid) -> Log {
-        Log {
-            group,
-            started: None,
-        }
-    }
-
     fn on(&mut self) {
         if self.started.is_some() {
             return;
@@ -471,7 +571,7 @@ impl Log {
             name = context("SENTINEL_GUARD_NAME"),
             backend = context("SENTINEL_GUARD_BACKEND"),
             holder_id = context("SENTINEL_GUARD_HOLDER_ID"),
-            app_pid = self.group.as_raw(),
+            app_pid = self.group.map(Pid::as_raw),
         )
         .entered();
         self.started = Some((span, flush));
@@ -481,7 +581,6 @@ impl Log {
 fn watch(
     pipe: &mut File,
     mut timer: BootTimer,
-    group: Pid,
     stop_signal: Signal,
     switch: &mut Switch,
     log: &mut Log,
@@ -491,7 +590,7 @@ fn watch(
         // deadline the guard may have written meanwhile is read.
         match switch.due(Deadline::now()) {
             Action::Kill if switch.teardown => {
-                let _ = killpg(group, Signal::SIGKILL);
+                signal_group(log.group, Signal::SIGKILL);
                 switch.killed_in_teardown();
                 log.on();
                 warn!(
@@ -500,7 +599,7 @@ fn watch(
                 );
             }
             Action::Kill => {
-                let _ = killpg(group, Signal::SIGKILL);
+                signal_group(log.group, Signal::SIGKILL);
                 log.on();
                 error!(
                     event = "watchdog_killed_app",
@@ -510,7 +609,7 @@ fn watch(
                 return Ended::Acted;
             }
             Action::Stop => {
-                let _ = killpg(group, stop_signal);
+                signal_group(log.group, stop_signal);
                 switch.stop_sent();
                 log.on();
                 error!(
@@ -545,6 +644,7 @@ fn watch(
         }
         match Message::decode(bytes) {
             Some(Message::StandDown) => return Ended::StoodDown,
+            Some(Message::AppGroup(group)) => log.group = Some(group),
             Some(message) => switch.apply(message, Deadline::now()),
             None => {
                 log.on();
@@ -557,16 +657,22 @@ fn watch(
     }
 }
 
+/// Signals the app's group, once its process has said which it is. Before that there is no app to
+/// signal (deadlines only follow the group down the pipe), and no other group may be hit.
+fn signal_group(group: Option<Pid>, signal: Signal) {
+    if let Some(group) = group {
+        let _ = killpg(group, signal);
+    }
+}
+
 /// The guard has exited; if it died without tearing the app down, nothing else will. Once nothing
 /// of the app's group is left, the lock may go: the kept descriptor is closed and the farewell said.
-fn guard_gone(
-    group: Pid,
-    kept: Option<OwnedFd>,
-    message: &[u8],
-    farewell: FarewellRunner,
-    log: &mut Log,
-) {
-    if killpg(group, Signal::SIGKILL).is_ok() {
+/// With no group ever sent, no app ever ran: the guard died before the app's process could exec,
+/// and that process dies by its parent-death signal (or its own check of its parent) without
+/// running anything.
+fn guard_gone(kept: Option<OwnedFd>, message: &[u8], farewell: FarewellRunner, log: &mut Log) {
+    let group = log.group;
+    if group.is_some_and(|group| killpg(group, Signal::SIGKILL).is_ok()) {
         log.on();
         warn!(
             event = "watchdog_killed_orphans",
@@ -579,7 +685,7 @@ fn guard_gone(
     // Until the group is empty the lock must stay taken, however long a process takes to die.
     let waiting_since = Deadline::now();
     let mut warned = false;
-    loop {
+    while let Some(group) = group {
         let members = super::tree::live_group_members(group);
         if members.is_empty() {
             break;
@@ -661,6 +767,7 @@ mod tests {
     #[test]
     fn messages_round_trip_and_unknown_tags_are_refused() {
         for message in [
+            Message::AppGroup(Pid::from_raw(4_194_304)),
             Message::LockDeadline(at(5)),
             Message::KillBy(Deadline::NEVER),
             Message::LockLost,
@@ -671,6 +778,12 @@ mod tests {
         let mut bad = Message::LockLost.encode();
         bad[0] = 9;
         assert_eq!(Message::decode(bad), None);
+        // Never a group that would make killpg hit the watchdog's own group, or every process.
+        for group in [0, 1, -5] {
+            let mut bad = Message::AppGroup(Pid::from_raw(2)).encode();
+            bad[1..].copy_from_slice(&(group as i64 as u64).to_le_bytes());
+            assert_eq!(Message::decode(bad), None, "group {group}");
+        }
     }
 
     #[test]
