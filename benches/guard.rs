@@ -396,16 +396,17 @@ fn apps_in(dir: &Path) -> Vec<i32> {
     pids_where("cmdline", |cmdline| cmdline.contains(&dir))
 }
 
-/// SIGKILLs what the tools under comparison leave behind: `etcdctl lock` ignores SIGTERM, puts its
-/// command in a process group of its own, and leaves it running when it is killed itself.
-/// SIGKILL to each; one that has already exited (a guard that lost its watchdog stops its app
-/// itself) is fine.
+/// SIGKILLs what the tools under comparison leave behind: `etcdctl lock` ignores SIGTERM and leaves
+/// its command running when it is killed itself. SIGKILL to each app and first to its children (the
+/// apps' `sleep`, which would otherwise outlive the benchmark); one that has already exited (a guard
+/// that lost its watchdog stops its app itself) is fine.
 fn kill_all(pids: Vec<i32>) {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
     for pid in pids {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(pid),
-            nix::sys::signal::Signal::SIGKILL,
-        );
+        for child in children_of(pid as u32).into_iter().chain([pid]) {
+            let _ = kill(Pid::from_raw(child), Signal::SIGKILL);
+        }
     }
 }
 

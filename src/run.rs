@@ -745,6 +745,7 @@ impl Guard<'_> {
                 config.forward_to,
                 (config.stop_signal, config.timings.grace_period),
                 &farewell,
+                app_deadline.as_ref().map(|_| lock_deadline(&app_deadline)),
             )
             .await
         };
@@ -756,9 +757,7 @@ impl Guard<'_> {
                 return match e {
                     StartError::Spawn(SpawnError::NotFound { .. }) => Outcome::NotFound,
                     StartError::Spawn(SpawnError::NotExecutable { .. }) => Outcome::NotExecutable,
-                    StartError::Setup(_)
-                    | StartError::Watchdog(_)
-                    | StartError::Spawn(SpawnError::WatchdogGone) => Outcome::Internal,
+                    StartError::Setup(_) | StartError::Watchdog(_) => Outcome::Internal,
                 }
                 .into();
             }
@@ -780,9 +779,6 @@ impl Guard<'_> {
                 ),
                 None => format!("running unguarded (no lock), app pid {}", app.app_pid()),
             });
-            if app_deadline.is_some() {
-                app.lock_deadline(lock_deadline(&app_deadline));
-            }
             let max_runtime_at = config.max_runtime.map(Deadline::after);
             let mut kill_at: Option<Deadline> = None;
             let ending = loop {

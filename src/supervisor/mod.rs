@@ -18,6 +18,7 @@ use crate::cli::ForwardTo;
 use crate::deadline::{AsyncBootTimer, Deadline};
 use crate::vocab::{signal_name, AppStatus};
 pub use signals::{ends_wait, is_shutdown, on_parent_death, ParentWatch, SignalEvents};
+use spawn::NotStarted;
 pub use spawn::{raise_descriptor_limit, AppEnv, SpawnError};
 pub use tree::proc_is_ours;
 use watchdog::{Farewell, Message, Watchdog};
@@ -73,13 +74,15 @@ pub struct Supervisor {
 impl Supervisor {
     /// Spawns the watchdog, then the app, which tells the watchdog its group before it runs the
     /// command; `stop_signal` and `grace` are what the watchdog uses if it ever has to stop the app
-    /// itself, `farewell` what it does for the lock if the guard dies.
+    /// itself, `farewell` what it does for the lock if the guard dies, `dead_by` by when the app
+    /// must be dead unless ownership is proven again (none: no lock).
     pub async fn start(
         command: &[std::ffi::OsString],
         env: &AppEnv<'_>,
         forward_to: ForwardTo,
         stop: (Signal, Duration),
         farewell: &Farewell<'_>,
+        dead_by: Option<Deadline>,
     ) -> Result<Supervisor, StartError> {
         let mut reaper = reaper::Reaper::register().map_err(StartError::Setup)?;
         // Without its dead man's switch the app must not run.
@@ -88,12 +91,27 @@ impl Supervisor {
         reaper.track_watchdog(watchdog.pid());
         let app = match spawn::spawn(command, env, watchdog.app_link()) {
             Ok(app) => app,
-            Err(e) => {
+            Err(not_started) => {
+                let error = match not_started {
+                    NotStarted::Command(e) => StartError::Spawn(e),
+                    NotStarted::WatchdogGone => StartError::Watchdog(watchdog.exec_error()),
+                };
+                // A command whose exec failed had told the watchdog its group, and std has reaped
+                // it already, so the stand-down follows at once. (A guard killed in between would
+                // leave the watchdog signalling that number: pids are handed out in rising order
+                // and come round again only after the whole range, so within the microseconds of
+                // this window it names no other process.)
                 watchdog.send(Message::StandDown);
                 await_watchdog(&mut reaper, &watchdog).await;
-                return Err(StartError::Spawn(e));
+                return Err(error);
             }
         };
+        // The deadline goes first, before anything else the guard does: a guard frozen from here
+        // on is already backed by the watchdog.
+        if let Some(dead_by) = dead_by {
+            watchdog.send(Message::LockDeadline(dead_by));
+        }
+        watchdog.app_started();
         reaper.track_app(app);
         info!(
             event = "app_started",

@@ -22,11 +22,19 @@ pub enum SpawnError {
     NotFound { command: String },
     #[error("command cannot be executed: {command}: {source}")]
     NotExecutable { command: String, source: io::Error },
+}
+
+/// Why the app's process did not run the command.
+pub enum NotStarted {
+    Command(SpawnError),
     /// The watchdog could not be executed, or ended before the app's process could tell it its
-    /// group; the app's process did not run the command.
-    #[error("the watchdog ended before the app could start")]
+    /// group.
     WatchdogGone,
 }
+
+/// The errno the app's process reports a failed link to the watchdog with. The command's own exec
+/// never fails with it (no pipe is written there), so it tells the two apart.
+const LINK_FAILED: i32 = libc::EPIPE;
 
 /// The descriptor limits the guard started with, before `raise_descriptor_limit`: the app gets them
 /// back, so an app built for the usual 1024 (`select`, say) sees what it would without the guard.
@@ -57,7 +65,7 @@ pub struct AppEnv<'a> {
 ///
 /// Must run on the thread that lives as long as the guard: `PR_SET_PDEATHSIG` fires when the
 /// spawning *thread* exits, not the process.
-pub fn spawn(command: &[OsString], env: &AppEnv<'_>, watchdog: AppLink) -> Result<Pid, SpawnError> {
+pub fn spawn(command: &[OsString], env: &AppEnv<'_>, watchdog: AppLink) -> Result<Pid, NotStarted> {
     let (program, args) = command.split_first().expect("clap requires a command");
     let mut cmd = Command::new(program);
     cmd.args(args);
@@ -83,14 +91,16 @@ pub fn spawn(command: &[OsString], env: &AppEnv<'_>, watchdog: AppLink) -> Resul
     let describe = || program.to_string_lossy().into_owned();
     match cmd.spawn() {
         Ok(child) => Ok(Pid::from_raw(child.id() as i32)),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Err(SpawnError::NotFound {
-            command: describe(),
-        }),
-        Err(e) if e.raw_os_error() == Some(libc::EPIPE) => Err(SpawnError::WatchdogGone),
-        Err(e) => Err(SpawnError::NotExecutable {
+        Err(e) if e.raw_os_error() == Some(LINK_FAILED) => Err(NotStarted::WatchdogGone),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            Err(NotStarted::Command(SpawnError::NotFound {
+                command: describe(),
+            }))
+        }
+        Err(e) => Err(NotStarted::Command(SpawnError::NotExecutable {
             command: describe(),
             source: e,
-        }),
+        })),
     }
 }
 
@@ -110,8 +120,11 @@ fn prepare_child(guard_pid: Pid, take_foreground: bool, watchdog: AppLink) -> io
     if getppid() != guard_pid {
         let _ = raise(Signal::SIGKILL);
     }
-    await_watchdog_exec(watchdog.exec_status)?;
-    tell_watchdog(watchdog.pipe)?;
+    let linked =
+        await_watchdog_exec(watchdog.exec_status).and_then(|()| tell_watchdog(watchdog.pipe));
+    if linked.is_err() {
+        return Err(io::Error::from_raw_os_error(LINK_FAILED));
+    }
     if take_foreground {
         // Take the terminal's foreground so Ctrl-C reaches the app. From a background group that
         // raises SIGTTOU unless blocked; ENOTTY/ENXIO (no controlling terminal) are fine to ignore.
@@ -133,8 +146,7 @@ fn await_watchdog_exec(status: RawFd) -> io::Result<()> {
         // SAFETY: read(2) into a stack buffer of the length given.
         match unsafe { libc::read(status, errno.as_mut_ptr().cast(), errno.len()) } {
             0 => return Ok(()),
-            // Told apart from the command's own exec errors by the guard (`SpawnError::WatchdogGone`).
-            n if n > 0 => return Err(io::Error::from_raw_os_error(libc::EPIPE)),
+            n if n > 0 => return Err(io::Error::from_raw_os_error(LINK_FAILED)),
             _ if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) => {}
             _ => return Err(io::Error::last_os_error()),
         }

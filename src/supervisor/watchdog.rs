@@ -258,9 +258,10 @@ fn decode_handover(pipe: &mut impl Read) -> io::Result<(bool, Vec<u8>)> {
 pub struct Watchdog {
     pipe: File,
     pid: Pid,
-    /// Ends (EOF) once the watchdog's process has executed the watchdog; carries an errno if it
-    /// could not. The app's process waits on it before it runs the command (`AppLink`).
-    exec_status: OwnedFd,
+    /// Ends (EOF) once the watchdog's process has executed the watchdog; carries its errno (twice:
+    /// once for the app's process, once for the guard) if it could not. The app's process waits on
+    /// it before it runs the command (`AppLink`). Closed once the app runs.
+    exec_status: Option<OwnedFd>,
     /// A message could not be written because the pipe is full: the watchdog has stopped reading
     /// (stopped or stuck), so it can no longer be counted on.
     jammed: bool,
@@ -342,7 +343,7 @@ impl Watchdog {
         Ok(Watchdog {
             pipe,
             pid,
-            exec_status: status_read,
+            exec_status: Some(status_read),
             jammed: false,
         })
     }
@@ -350,8 +351,27 @@ impl Watchdog {
     /// What the app's process needs of the watchdog before it may run the command.
     pub fn app_link(&self) -> AppLink {
         AppLink {
-            exec_status: self.exec_status.as_raw_fd(),
+            exec_status: self.exec_status.as_ref().map_or(-1, |fd| fd.as_raw_fd()),
             pipe: self.pipe.as_raw_fd(),
+        }
+    }
+
+    /// The app runs: its process saw the watchdog's exec succeed, and nothing more will be read.
+    pub fn app_started(&mut self) {
+        self.exec_status = None;
+    }
+
+    /// Why the watchdog was gone when the app's process looked: its exec's errno, if that failed.
+    /// Only asked once the app's process has seen the watchdog end, so the read cannot wait.
+    pub fn exec_error(&mut self) -> io::Error {
+        let mut errno = [0u8; 4];
+        match self
+            .exec_status
+            .take()
+            .map(|fd| File::from(fd).read_exact(&mut errno))
+        {
+            Some(Ok(())) => io::Error::from_raw_os_error(i32::from_le_bytes(errno)),
+            _ => io::Error::other("the watchdog ended before the app could start"),
         }
     }
 
@@ -416,35 +436,45 @@ struct ExecPlan {
 
 /// The forked watchdog's way to exec. Async-signal-safe: no allocation, no lock, raw system calls.
 fn exec_watchdog(plan: &ExecPlan) -> ! {
-    let failed = (|| -> io::Result<()> {
-        // Ignored before exec, and ignored dispositions survive exec: a signal sent to the guard's
-        // group while the watchdog starts up cannot kill it either.
-        for number in ignored_signals() {
-            // SAFETY: signal(2) installing SIG_IGN runs no handler code.
-            unsafe { libc::signal(number, libc::SIG_IGN) };
-        }
-        // The guard's blocked signals would be inherited through exec: the watchdog starts with none.
-        sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
-        // Moved out of the way first, so placing one cannot overwrite another.
-        let source = park(plan.message)?;
-        let kept = plan.kept.map(park).transpose()?;
-        hand_down(plan.dev_null, 0)?;
-        hand_down(plan.dev_null, 1)?;
-        hand_down(source, MESSAGE_FD)?;
-        if let Some(kept) = kept {
-            hand_down(kept, KEPT_FD)?;
-        }
-        // SAFETY: both arrays are NULL-terminated and point into CStrings the parent made.
-        unsafe { libc::execve(plan.argv[0], plan.argv.as_ptr(), plan.envp.as_ptr()) };
-        Err(io::Error::last_os_error())
-    })()
-    .err();
-    let errno = failed.and_then(|e| e.raw_os_error()).unwrap_or(libc::EIO);
+    let mut status = plan.status;
+    let errno = match prepare_and_exec(plan, &mut status) {
+        Err(e) => e.raw_os_error().unwrap_or(libc::EIO),
+        Ok(never) => match never {},
+    };
+    let [a, b, c, d] = errno.to_le_bytes();
+    let twice = [a, b, c, d, a, b, c, d];
     // SAFETY: write(2) of a stack buffer, then _exit(2): no unwinding, no atexit handlers.
     unsafe {
-        libc::write(plan.status, errno.to_le_bytes().as_ptr().cast(), 4);
+        libc::write(status, twice.as_ptr().cast(), twice.len());
         libc::_exit(127)
     }
+}
+
+/// Sets the watchdog's process up and executes it; returns only with the reason it could not.
+/// `status` follows the status pipe's end as it is moved.
+fn prepare_and_exec(plan: &ExecPlan, status: &mut RawFd) -> io::Result<std::convert::Infallible> {
+    // Ignored before exec, and ignored dispositions survive exec: a signal sent to the guard's
+    // group while the watchdog starts up cannot kill it either.
+    for number in ignored_signals() {
+        // SAFETY: signal(2) installing SIG_IGN runs no handler code.
+        unsafe { libc::signal(number, libc::SIG_IGN) };
+    }
+    // The guard's blocked signals would be inherited through exec: the watchdog starts with none.
+    sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
+    // Moved out of the way first, so placing one cannot overwrite another (the status pipe's end
+    // included: were it overwritten, the app's process would take that for an exec).
+    *status = park(plan.status)?;
+    let source = park(plan.message)?;
+    let kept = plan.kept.map(park).transpose()?;
+    hand_down(plan.dev_null, 0)?;
+    hand_down(plan.dev_null, 1)?;
+    hand_down(source, MESSAGE_FD)?;
+    if let Some(kept) = kept {
+        hand_down(kept, KEPT_FD)?;
+    }
+    // SAFETY: both arrays are NULL-terminated and point into CStrings the parent made.
+    unsafe { libc::execve(plan.argv[0], plan.argv.as_ptr(), plan.envp.as_ptr()) };
+    Err(io::Error::last_os_error())
 }
 
 /// A close-on-exec copy of `fd` numbered 10 or above, clear of the fds being placed. Async-signal-safe.
