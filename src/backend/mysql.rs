@@ -33,11 +33,29 @@ const ER_CONNECTION_KILLED: u16 = 1927;
 const INTERRUPT_RETRY: Duration = Duration::from_millis(20);
 /// How long the guard waits for a side connection that interrupts its own `SLEEP` at release.
 const INTERRUPT_TIMEOUT: Duration = Duration::from_secs(1);
+/// The largest packet the driver accepts, told instead of read from the server.
+const DRIVER_PACKET_LIMIT: usize = 4 << 20;
+/// The driver's idea of the server's `wait_timeout` (only its pool uses it; the guard has none).
+const DRIVER_WAIT_TIMEOUT: usize = 28_800;
+/// The server settings that make `GET_LOCK` unsafe as a singleton lock (`refuse_unsafe`).
+const SAFETY_QUERY: &str =
+    "SHOW GLOBAL VARIABLES WHERE Variable_name IN ('read_only', 'super_read_only', 'wsrep_on')";
 
 async fn connect(target: &MysqlTarget, connect_timeout: Duration) -> Result<Conn, LockError> {
     // Connect exactly where the URL says: the driver would otherwise switch to a local socket it
-    // discovers on its own, which may be a different server.
-    let opts = OptsBuilder::from_opts(target.opts.clone()).prefer_socket(false);
+    // discovers on its own, which may be a different server. Given a packet limit and a wait timeout
+    // of its own, the driver skips the query that reads the server's (a round trip on every start):
+    // the guard's statements and answers are a few kilobytes, and it sets the session's
+    // `wait_timeout` itself.
+    let opts = OptsBuilder::from_opts(target.opts.clone())
+        .prefer_socket(false)
+        .max_allowed_packet(
+            target
+                .opts
+                .max_allowed_packet()
+                .or(Some(DRIVER_PACKET_LIMIT)),
+        )
+        .wait_timeout(target.opts.wait_timeout().or(Some(DRIVER_WAIT_TIMEOUT)));
     match timeout(connect_timeout, Conn::new(opts)).await {
         Err(_) => Err(LockError::Unreachable(format!(
             "no connection to {} within {}",
@@ -68,8 +86,66 @@ fn setup_error(target: &MysqlTarget, e: mysql_async::Error) -> LockError {
 async fn open_session(target: &MysqlTarget, timings: &Timings) -> Result<Conn, LockError> {
     let mut conn = connect(target, timings.connect_timeout).await?;
     let bounded = timings.connect_timeout;
-    refuse_unsafe_server(&mut conn, target, bounded).await?;
     let wanted = timings.session_timeout_secs();
+    let (vars, kept) = match timeout(bounded, settle_at_once(&mut conn, wanted)).await {
+        Err(_) => return Err(no_answer(target, "the session settings", bounded)),
+        Ok(Ok(answer)) => answer,
+        // The server family was guessed wrong: the settings one by one.
+        Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_UNKNOWN_SYSTEM_VARIABLE => {
+            settle_one_by_one(&mut conn, target, wanted, bounded).await?
+        }
+        Ok(Err(e)) => return Err(setup_error(target, e)),
+    };
+    refuse_unsafe(vars)?;
+    if kept != Some(wanted) {
+        return Err(LockError::Unsafe(format!(
+            "the server keeps wait_timeout at {kept:?} instead of {wanted}s, so it could free the lock \
+             of a silent connection before the guard stops the app (a proxy in between?)"
+        )));
+    }
+    Ok(conn)
+}
+
+/// The server variables `SAFETY_QUERY` returns, and the session's `wait_timeout` as read back.
+type Settled = (Vec<(String, String)>, Option<u64>);
+
+/// The session's settings, the server's safety and the setting read back in one round trip (the
+/// driver allows several statements per query). A server-wide statement time limit would end the
+/// check's deliberate `SLEEP` and look like a lost lock, so it is zeroed for the session; its name
+/// depends on the server family (MariaDB's `max_statement_time`, MySQL's `max_execution_time`),
+/// guessed from the version: MariaDB numbers itself 10 and up, MySQL 5, 8 and 9. A wrong guess is an
+/// unknown variable, and nothing of the query has run.
+async fn settle_at_once(conn: &mut Conn, wanted: u64) -> Result<Settled, mysql_async::Error> {
+    let limit = if conn.server_version().0 >= 10 {
+        "max_statement_time"
+    } else {
+        "max_execution_time"
+    };
+    let mut answer = conn
+        .query_iter(format!(
+            "SET SESSION wait_timeout = {wanted}, {limit} = 0; {SAFETY_QUERY}; \
+             SELECT @@session.wait_timeout"
+        ))
+        .await?;
+    // The SET's empty result, then the two that answer.
+    answer.collect::<mysql_async::Row>().await?;
+    let vars = answer.collect::<(String, String)>().await?;
+    let kept = answer.collect::<Option<u64>>().await?;
+    answer.drop_result().await?;
+    Ok((vars, kept.into_iter().next().flatten()))
+}
+
+/// `settle_at_once`, one statement at a time, each statement time limit tried on its own.
+async fn settle_one_by_one(
+    conn: &mut Conn,
+    target: &MysqlTarget,
+    wanted: u64,
+    bounded: Duration,
+) -> Result<Settled, LockError> {
+    let vars = timeout(bounded, conn.query(SAFETY_QUERY))
+        .await
+        .map_err(|_| no_answer(target, "SHOW GLOBAL VARIABLES", bounded))?
+        .map_err(|e| setup_error(target, e))?;
     timeout(
         bounded,
         conn.query_drop(format!("SET SESSION wait_timeout = {wanted}")),
@@ -77,31 +153,10 @@ async fn open_session(target: &MysqlTarget, timings: &Timings) -> Result<Conn, L
     .await
     .map_err(|_| no_answer(target, "SET SESSION wait_timeout", bounded))?
     .map_err(|e| setup_error(target, e))?;
-    let kept: Option<u64> = timeout(bounded, conn.query_first("SELECT @@session.wait_timeout"))
+    let kept = timeout(bounded, conn.query_first("SELECT @@session.wait_timeout"))
         .await
         .map_err(|_| no_answer(target, "SELECT @@session.wait_timeout", bounded))?
         .map_err(|e| setup_error(target, e))?;
-    if kept != Some(wanted) {
-        return Err(LockError::Unsafe(format!(
-            "the server keeps wait_timeout at {kept:?} instead of {wanted}s, so it could free the lock \
-             of a silent connection before the guard stops the app (a proxy in between?)"
-        )));
-    }
-    unlimit_statements(&mut conn, target, bounded).await?;
-    Ok(conn)
-}
-
-/// MySQL's "Unknown system variable": the other server family's setting.
-const ER_UNKNOWN_SYSTEM_VARIABLE: u16 = 1193;
-
-/// A server-wide statement time limit (MariaDB `max_statement_time`, MySQL `max_execution_time`)
-/// would end the check's deliberate `SLEEP` and look like a lost lock: both are zeroed for the session,
-/// each on the server family that has it.
-async fn unlimit_statements(
-    conn: &mut Conn,
-    target: &MysqlTarget,
-    bounded: Duration,
-) -> Result<(), LockError> {
     for variable in ["max_statement_time", "max_execution_time"] {
         let set = format!("SET SESSION {variable} = 0");
         match timeout(bounded, conn.query_drop(&set)).await {
@@ -111,8 +166,11 @@ async fn unlimit_statements(
             Ok(Ok(())) => {}
         }
     }
-    Ok(())
+    Ok((vars, kept))
 }
+
+/// MySQL's "Unknown system variable": the other server family's setting.
+const ER_UNKNOWN_SYSTEM_VARIABLE: u16 = 1193;
 
 fn no_answer(target: &MysqlTarget, what: &str, limit: Duration) -> LockError {
     LockError::Unreachable(format!(
@@ -136,12 +194,14 @@ pub async fn acquire(
         let chunk = contention.next_wait(patience);
         let sent = Deadline::now();
         let budget = chunk + timings.check_timeout;
+        // A text query: a prepared statement would cost a round trip more, and names are limited
+        // to characters that need no quoting.
         let got = timeout(
             budget,
-            conn.exec_first::<Option<i64>, _, _>(
-                "SELECT GET_LOCK(?, ?)",
-                (name, chunk.as_secs_f64()),
-            ),
+            conn.query_first::<Option<i64>, _>(format!(
+                "SELECT GET_LOCK('{name}', {:.3})",
+                chunk.as_secs_f64()
+            )),
         )
         .await;
         let error = match got {
@@ -223,20 +283,7 @@ fn version(conn: &Conn) -> String {
 }
 
 /// `GET_LOCK` on a read-only replica or a Galera node does not make a cluster-wide singleton.
-async fn refuse_unsafe_server(
-    conn: &mut Conn,
-    target: &MysqlTarget,
-    bounded: Duration,
-) -> Result<(), LockError> {
-    let vars: Vec<(String, String)> = timeout(
-        bounded,
-        conn.query(
-            "SHOW GLOBAL VARIABLES WHERE Variable_name IN ('read_only', 'super_read_only', 'wsrep_on')",
-        ),
-    )
-    .await
-    .map_err(|_| LockError::Unreachable(format!("{}: no answer to SHOW GLOBAL VARIABLES", target.url)))?
-    .map_err(|e| setup_error(target, e))?;
+fn refuse_unsafe(vars: Vec<(String, String)>) -> Result<(), LockError> {
     for (variable, value) in vars {
         let on = matches!(value.to_ascii_uppercase().as_str(), "ON" | "1");
         match variable.to_ascii_lowercase().as_str() {
