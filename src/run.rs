@@ -869,8 +869,18 @@ impl Guard<'_> {
             Ending::AppExited(status) => self.metrics.app_ended(Some(*status)),
             Ending::MaxRuntime => {}
         }
+        // Still ours unless lost: after a watchdog that died, the app may not run without it, but
+        // the lock holds.
+        let still_ours =
+            !matches!(&ending, Ending::Lost(loss) if loss.reason != LossReason::WatchdogDied);
         let stopped = app
-            .stop(signal, kill_by, || announce(&ending, config))
+            .stop(signal, kill_by, || {
+                // A lock that will be given back gets ready for that while the tree is torn down.
+                if let (true, Some(lock)) = (still_ours, held.as_ref()) {
+                    lock.release_coming();
+                }
+                announce(&ending, config)
+            })
             .await;
 
         if !matches!(ending, Ending::AppExited(_)) {
@@ -897,29 +907,23 @@ impl Guard<'_> {
             Ending::MaxRuntime => Outcome::MaxRuntime,
             Ending::Lost(_) => Outcome::LockLost,
         };
-        match &ending {
-            // Dropping the lock closes what is left of it; it is not ours to give back, nor to
-            // record the run's end under.
-            Ending::Lost(loss) if loss.reason != LossReason::WatchdogDied => {
-                if let Some(run) = window {
-                    warn!(
-                        event = "run_end_unrecorded",
-                        window = run.window.index,
-                        "the lock was lost: the window's claim keeps no exit code"
-                    );
+        if still_ours {
+            // The run's end is recorded under the lock, then it is given back.
+            if let (Some(run), Some(lock)) = (window, held.as_mut()) {
+                let code = outcome.exit_code(config.held_exit_code, &config.exit_code_map);
+                if let Err(e) = lock.record_end(run, code).await {
+                    warn!(event = "run_end_unrecorded", window = run.window.index, error = %e, "cannot record how the window's run ended");
                 }
             }
-            // Still ours (after a watchdog that died, the app may not run without it, but the lock
-            // holds): the run's end is recorded under it, then it is given back.
-            _ => {
-                if let (Some(run), Some(lock)) = (window, held.as_mut()) {
-                    let code = outcome.exit_code(config.held_exit_code, &config.exit_code_map);
-                    if let Err(e) = lock.record_end(run, code).await {
-                        warn!(event = "run_end_unrecorded", window = run.window.index, error = %e, "cannot record how the window's run ended");
-                    }
-                }
-                self.release(held, &stopped.gone).await;
-            }
+            self.release(held, &stopped.gone).await;
+        } else if let Some(run) = window {
+            // A lost lock is dropped, which closes what is left of it: it is not ours to give
+            // back, nor to record the run's end under.
+            warn!(
+                event = "run_end_unrecorded",
+                window = run.window.index,
+                "the lock was lost: the window's claim keeps no exit code"
+            );
         }
         match outcome {
             Outcome::LockLost => Finished::LockLost(AppGone::Stopped(stopped.gone)),

@@ -14,6 +14,15 @@ fn guard_args<'a>(backend: &Backend, url: &'a str, extra: &[&'a str]) -> Vec<&'a
     v
 }
 
+/// A standby started with `args` (which include `--wait`), once it says it is waiting.
+fn waiting_standby(lab: &mut Lab, args: &[&str], app: &[&str]) -> GuardProcess {
+    let standby = lab.spawn(args, app);
+    assert!(wait_until(Duration::from_secs(5), || standby
+        .log_text()
+        .contains("waiting")));
+    standby
+}
+
 #[test]
 fn standby_takes_over_when_the_leaders_app_exits() {
     for backend in Backend::all() {
@@ -62,13 +71,11 @@ fn standby_takes_over_when_the_leader_guard_is_sigkilled() {
             &as_strs(&recording_app(&trace, &lead_pid)),
         );
         let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
-        let mut standby = lab.spawn(
+        let mut standby = waiting_standby(
+            &mut lab,
             &guard_args(&backend, &url, &["--wait"]),
             &as_strs(&recording_app(&trace, &standby_pid)),
         );
-        assert!(wait_until(Duration::from_secs(5), || standby
-            .log_text()
-            .contains("waiting")));
 
         leader.signal(9);
         // Redis frees the key only when the 3s lease expires; the others at once.
@@ -79,6 +86,54 @@ fn standby_takes_over_when_the_leader_guard_is_sigkilled() {
             backend.name()
         );
         assert_ne!(standby_app, lead_app);
+        standby.signal(15);
+        assert_eq!(standby.code(Duration::from_secs(10)), 0);
+    }
+}
+
+/// A clean release cuts the lock session's outstanding check short, with the connection for that
+/// opened while the leader's app was torn down: with a 30s check interval, the standby still takes
+/// over at once.
+#[test]
+fn a_clean_release_cuts_the_check_short_with_what_the_teardown_opened() {
+    for backend in [
+        Backend::Mysql(common::mariadb::MariaDb::start()),
+        Backend::Postgres(common::postgres::Postgres::start()),
+    ] {
+        let mut lab = Lab::new();
+        let url = backend.url();
+        let trace = lab.path("trace");
+        let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
+        let mut cmd = lab.command(
+            &lock_args(&url, "standby", &["--check-interval", "30s"]),
+            &as_strs(&recording_app(&trace, &lead_pid)),
+        );
+        cmd.env("SENTINEL_GUARD_LOG", "debug");
+        let mut leader = lab.start(cmd);
+        read_pid(&lead_pid, Duration::from_secs(10));
+        let mut standby = waiting_standby(
+            &mut lab,
+            &guard_args(&backend, &url, &["--wait"]),
+            &as_strs(&recording_app(&trace, &standby_pid)),
+        );
+        let asked = Instant::now();
+        leader.signal(15);
+        assert_eq!(leader.code(Duration::from_secs(10)), 0);
+        read_pid(&standby_pid, Duration::from_secs(10));
+        let took = asked.elapsed();
+        assert!(
+            took < Duration::from_secs(5),
+            "{}: took {took:?}: {}",
+            backend.name(),
+            leader.log_text()
+        );
+        assert!(
+            leader.log_text().contains("opened_ahead=true"),
+            "{}: {}",
+            backend.name(),
+            leader.log_text()
+        );
+        assert_eq!(assert_no_overlap(&trace), 2, "{}", backend.name());
         standby.signal(15);
         assert_eq!(standby.code(Duration::from_secs(10)), 0);
     }
@@ -102,13 +157,11 @@ fn standby_after_a_killed_leader_connection_waits_out_the_takeover_delay() {
     );
     let mut leader = lab.spawn(&guard_args(&backend, &url, &[]), &["sh", "-c", &slow_app]);
     read_pid(&lead_pid, Duration::from_secs(10));
-    let mut standby = lab.spawn(
+    let mut standby = waiting_standby(
+        &mut lab,
         &guard_args(&backend, &url, &["--wait", "--takeover-delay", "2s"]),
         &as_strs(&recording_app(&trace, &standby_pid)),
     );
-    assert!(wait_until(Duration::from_secs(5), || standby
-        .log_text()
-        .contains("waiting")));
     let id = db.holder_of("standby").expect("leader holds the lock");
     db.sql(&format!("KILL {id}"));
     assert_eq!(
@@ -198,13 +251,11 @@ fn sigterm_ends_the_wait_promptly_without_starting_the_app() {
         );
         read_pid(&lead_pid, Duration::from_secs(10));
         let marker = lab.path("ran");
-        let mut standby = lab.spawn(
+        let mut standby = waiting_standby(
+            &mut lab,
             &guard_args(&backend, &url, &["--wait"]),
             &["touch", marker.to_str().unwrap()],
         );
-        assert!(wait_until(Duration::from_secs(5), || standby
-            .log_text()
-            .contains("waiting")));
         let sent = Instant::now();
         standby.signal(15);
         assert_eq!(

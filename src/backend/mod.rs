@@ -474,6 +474,20 @@ impl HeldLock {
         }
     }
 
+    /// Says the lock will be given back once the app's tree is gone, so a session backend opens the
+    /// connection that ends its check's sleep (MySQL's side connection, the stream for PostgreSQL's
+    /// cancel request) while the tree is torn down instead of after. Never blocks: it comes right
+    /// after the teardown's first signal.
+    pub fn release_coming(&self) {
+        match self {
+            HeldLock::Mysql(mysql::MysqlLock { session: lock, .. })
+            | HeldLock::Postgres(postgres::PostgresLock { session: lock, .. }) => {
+                lock.release_coming()
+            }
+            HeldLock::Redis(_) | HeldLock::File(_) => {}
+        }
+    }
+
     /// Gives the lock back, which only the proof that nothing of the app is alive allows.
     pub async fn release(self, _gone: &TreeGone) -> Result<(), LockError> {
         self.give_back().await

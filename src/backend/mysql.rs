@@ -41,6 +41,18 @@ const DRIVER_WAIT_TIMEOUT: usize = 28_800;
 const SAFETY_QUERY: &str =
     "SHOW GLOBAL VARIABLES WHERE Variable_name IN ('read_only', 'super_read_only', 'wsrep_on')";
 
+/// Whether an error says the server has ended the session (or the socket closed), rather than
+/// refused one statement.
+fn session_ended(e: &mysql_async::Error) -> bool {
+    match e {
+        mysql_async::Error::Server(s) => {
+            matches!(s.code, ER_CONNECTION_KILLED | ER_SERVER_SHUTDOWN)
+        }
+        mysql_async::Error::Io(_) | mysql_async::Error::Driver(_) => true,
+        _ => false,
+    }
+}
+
 async fn connect(target: &MysqlTarget, connect_timeout: Duration) -> Result<Conn, LockError> {
     // Connect exactly where the URL says: the driver would otherwise switch to a local socket it
     // discovers on its own, which may be a different server. Given a packet limit and a wait timeout
@@ -833,13 +845,7 @@ impl SessionWatcher for Watcher {
             )),
             Err(_) => Verdict::NoAnswer,
             Ok(Err(e)) => {
-                let closed = match &e {
-                    mysql_async::Error::Server(s) => {
-                        matches!(s.code, ER_CONNECTION_KILLED | ER_SERVER_SHUTDOWN)
-                    }
-                    mysql_async::Error::Io(_) | mysql_async::Error::Driver(_) => true,
-                    _ => false,
-                };
+                let closed = session_ended(&e);
                 let detail = self.target.url.scrub(e);
                 if closed {
                     Verdict::Closed(detail)
@@ -850,29 +856,55 @@ impl SessionWatcher for Watcher {
         }
     }
 
+    /// A side connection, authenticated: `KILL QUERY` needs the lock session's user.
+    type Interrupter = Conn;
+
+    fn open_interrupter(&self) -> impl Future<Output = Option<Conn>> + Send + 'static {
+        let target = self.target.clone();
+        async move { connect(&target, INTERRUPT_TIMEOUT).await.ok() }
+    }
+
     /// `KILL QUERY` from a side connection, repeated until the check answers: the first one can
-    /// reach the server before the check itself does. Without a side connection the sleep simply
-    /// runs out.
-    async fn interrupt<'a, F>(&'a self, mut check: Pin<&'a mut F>) -> CheckResult
+    /// reach the server before the check itself does. A side connection that the server has closed
+    /// (one opened ahead can outlive its `wait_timeout` during a long teardown) is replaced by a new
+    /// one. Without a side connection the sleep simply runs out.
+    async fn interrupt<'a, F>(
+        &'a self,
+        mut check: Pin<&'a mut F>,
+        ahead: Option<Conn>,
+    ) -> CheckResult
     where
         F: Future<Output = CheckResult> + Send + 'a,
     {
-        let Ok(mut side) = connect(&self.target, INTERRUPT_TIMEOUT).await else {
-            debug!(
-                connection_id = self.conn_id,
-                "could not interrupt the check sleep; waiting for it to end"
-            );
-            return check.await;
-        };
         let kill = format!("KILL QUERY {}", self.conn_id);
+        let mut side = ahead;
         let result = loop {
-            let _ = timeout(INTERRUPT_TIMEOUT, side.query_drop(&kill)).await;
+            let conn = match side.as_mut() {
+                Some(conn) => conn,
+                None => match self.open_interrupter().await {
+                    Some(conn) => side.insert(conn),
+                    None => {
+                        debug!(
+                            connection_id = self.conn_id,
+                            "could not interrupt the check sleep; waiting for it to end"
+                        );
+                        return check.await;
+                    }
+                },
+            };
+            if let Ok(Err(e)) = timeout(INTERRUPT_TIMEOUT, conn.query_drop(&kill)).await {
+                if session_ended(&e) {
+                    side = None;
+                }
+            }
             tokio::select! {
                 result = check.as_mut() => break result,
                 _ = tokio::time::sleep(INTERRUPT_RETRY) => {}
             }
         };
-        let _ = timeout(INTERRUPT_TIMEOUT, side.disconnect()).await;
+        if let Some(side) = side {
+            let _ = timeout(INTERRUPT_TIMEOUT, side.disconnect()).await;
+        }
         result
     }
 

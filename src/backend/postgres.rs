@@ -21,8 +21,11 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
+use tokio::net::TcpStream;
 use tokio::time::timeout;
+use tokio_postgres::config::Host;
 use tokio_postgres::error::SqlState;
+use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres::{CancelToken, Client, SimpleQueryMessage};
 use tracing::{debug, info, warn};
 
@@ -891,13 +894,35 @@ impl SessionWatcher for Watcher {
         }
     }
 
+    /// A stream to the server for one cancel request.
+    type Interrupter = CancelStream;
+
+    fn open_interrupter(&self) -> impl Future<Output = Option<CancelStream>> + Send + 'static {
+        CancelStream::open(self.target.clone())
+    }
+
     /// The protocol's cancel request (a short connection that needs no credentials), repeated until
-    /// the check answers: the first one can reach the server before the check itself does. If one
-    /// cannot be sent, the sleep simply runs out.
-    async fn interrupt<'a, F>(&'a self, mut check: Pin<&'a mut F>) -> CheckResult
+    /// the check answers: the first one can reach the server before the check itself does. The first
+    /// goes over the stream opened ahead, if there is one; the repeats, and a first one whose stream
+    /// the server has closed meanwhile (it waits `authentication_timeout` for a request), connect
+    /// anew. If one cannot be sent, the sleep simply runs out.
+    async fn interrupt<'a, F>(
+        &'a self,
+        mut check: Pin<&'a mut F>,
+        ahead: Option<CancelStream>,
+    ) -> CheckResult
     where
         F: Future<Output = CheckResult> + Send + 'a,
     {
+        if let Some(CancelStream { stream, tls }) = ahead {
+            let cancelled =
+                timeout(INTERRUPT_TIMEOUT, self.cancel.cancel_query_raw(stream, tls)).await;
+            if matches!(cancelled, Ok(Ok(()))) {
+                if let Ok(result) = timeout(INTERRUPT_RETRY, check.as_mut()).await {
+                    return result;
+                }
+            }
+        }
         let Ok(tls) = Tls::new(&self.target.tls) else {
             return check.await;
         };
@@ -910,15 +935,58 @@ impl SessionWatcher for Watcher {
                 );
                 return check.await;
             }
-            tokio::select! {
-                result = check.as_mut() => return result,
-                _ = tokio::time::sleep(INTERRUPT_RETRY) => {}
+            if let Ok(result) = timeout(INTERRUPT_RETRY, check.as_mut()).await {
+                return result;
             }
         }
     }
 
     fn release(&self, client: Client) -> impl Future<Output = Result<(), LockError>> + Send + '_ {
         self.give_back(client)
+    }
+}
+
+/// A TCP stream to the lock session's server, and the TLS the cancel request will be sent with: what
+/// `CancelToken::cancel_query` would open itself, opened before the request is due.
+struct CancelStream {
+    stream: TcpStream,
+    tls: tls::Connect,
+}
+
+impl CancelStream {
+    /// Follows the driver's `connect` and `cancel_query`: the host's address (`hostaddr` before
+    /// `host`), its port (5432 by default), and a TLS connector for the host's name (made before
+    /// connecting, as the driver makes it) with the session's `sslmode` and CA file. Only a URL of
+    /// one TCP host says which server the session is on: with several hosts the one the driver
+    /// reached is not known here, and a Unix socket costs nothing to open at release, so there is
+    /// no stream ahead then.
+    async fn open(target: PostgresTarget) -> Option<CancelStream> {
+        let config = &target.config;
+        let (hosts, addrs) = (config.get_hosts(), config.get_hostaddrs());
+        if hosts.len().max(addrs.len()) != 1 {
+            return None;
+        }
+        let hostname = match hosts.first() {
+            Some(Host::Tcp(name)) => Some(name.as_str()),
+            _ => None,
+        };
+        let addr = match (addrs.first(), hostname) {
+            (Some(addr), _) => addr.to_string(),
+            (None, Some(name)) => name.to_owned(),
+            (None, None) => return None,
+        };
+        let port = config.get_ports().first().copied().unwrap_or(5432);
+        let mut make_tls = Tls::new(&target.tls).ok()?;
+        let tls = MakeTlsConnect::<TcpStream>::make_tls_connect(
+            &mut make_tls,
+            hostname.unwrap_or_default(),
+        )
+        .ok()?;
+        let stream = timeout(INTERRUPT_TIMEOUT, TcpStream::connect((addr.as_str(), port)))
+            .await
+            .ok()?
+            .ok()?;
+        Some(CancelStream { stream, tls })
     }
 }
 

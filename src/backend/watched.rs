@@ -4,12 +4,13 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::oneshot::error::TryRecvError;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{oneshot, watch, Notify};
 use tokio::task::JoinHandle;
-use tracing::Instrument;
+use tracing::{debug, Instrument};
 
 use super::{LockError, LockLoss, LockRequest};
 use crate::deadline::Deadline;
@@ -156,11 +157,22 @@ pub trait SessionWatcher: Send + Sync + 'static {
 
     fn verdict(&self, answer: Self::Answer) -> Verdict;
 
+    /// What `interrupt` sends its request over: a connection to the server that takes a while to
+    /// open, and so is opened while the app's tree is torn down rather than after.
+    type Interrupter: Send + 'static;
+
+    /// Opens an interrupter, `None` where it cannot. Runs as a task of its own once a release is
+    /// coming, so it needs nothing of the watcher.
+    fn open_interrupter(&self) -> impl Future<Output = Option<Self::Interrupter>> + Send + 'static;
+
     /// Cuts the outstanding check's sleep short, so a release is not delayed by up to a check
-    /// interval, and returns the check's answer. Best effort: the sleep may simply run out.
+    /// interval, and returns the check's answer. `ahead` is the interrupter opened while the app's
+    /// tree was torn down; without one the interrupt opens what it needs itself, after the tree is
+    /// gone. Best effort: the sleep may simply run out.
     fn interrupt<'a, F>(
         &'a self,
         check: Pin<&'a mut F>,
+        ahead: Option<Self::Interrupter>,
     ) -> impl Future<Output = Self::Answer> + Send + 'a
     where
         F: Future<Output = Self::Answer> + Send + 'a;
@@ -197,13 +209,37 @@ fn judge(timing: &CheckTiming, verdict: Verdict, sent: Deadline) -> Check {
     }
 }
 
-/// Keeps proving ownership until told to release or the lock is lost.
+/// An interrupter being opened in the background. Dropping it aborts the opening, or closes what
+/// was opened: a release that needs no interruption leaves it unused.
+struct Opening<T>(JoinHandle<Option<T>>);
+
+impl<T: Send + 'static> Opening<T> {
+    fn start(open: impl Future<Output = Option<T>> + Send + 'static) -> Opening<T> {
+        Opening(tokio::spawn(open.in_current_span()))
+    }
+
+    /// The interrupter once it is open; `None` if it could not be.
+    async fn opened(mut self) -> Option<T> {
+        (&mut self.0).await.ok().flatten()
+    }
+}
+
+impl<T> Drop for Opening<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Keeps proving ownership until told to release or the lock is lost. Once `release_coming` is
+/// notified, the interrupter that the release will need is opened meanwhile.
 async fn watch_session<W: SessionWatcher>(
     watcher: W,
     mut conn: W::Conn,
     mut ends: WatcherEnds,
+    release_coming: Arc<Notify>,
 ) -> Result<(), LockError> {
     let timing = watcher.timing();
+    let mut opening: Option<Opening<W::Interrupter>> = None;
     loop {
         // If this check is not answered in time, the guard stops the app within the grace period.
         // A release asked for between checks needs no sleep interrupted.
@@ -215,12 +251,29 @@ async fn watch_session<W: SessionWatcher>(
         let (check, releasing) = {
             let check = watcher.check(&mut conn);
             tokio::pin!(check);
-            tokio::select! {
-                biased;
-                answer = &mut check => (judge(timing, watcher.verdict(answer), sent), false),
-                _ = &mut ends.release => {
-                    let answer = watcher.interrupt(check).await;
-                    (judge(timing, watcher.verdict(answer), sent), true)
+            loop {
+                tokio::select! {
+                    biased;
+                    answer = &mut check => {
+                        break (judge(timing, watcher.verdict(answer), sent), false);
+                    }
+                    // Ahead of the release, which always comes after it: seen at once, the release
+                    // takes its interrupter from the opening, as when the teardown leaves it time.
+                    () = release_coming.notified(), if opening.is_none() => {
+                        opening = Some(Opening::start(watcher.open_interrupter()));
+                    }
+                    _ = &mut ends.release => {
+                        let ahead = match opening.take() {
+                            Some(opening) => opening.opened().await,
+                            None => None,
+                        };
+                        debug!(
+                            opened_ahead = ahead.is_some(),
+                            "interrupting the check to release the lock"
+                        );
+                        let answer = watcher.interrupt(check, ahead).await;
+                        break (judge(timing, watcher.verdict(answer), sent), true);
+                    }
                 }
             }
         };
@@ -262,6 +315,8 @@ async fn watch_session<W: SessionWatcher>(
 /// backend has one.
 pub struct SessionLock {
     watched: WatchedLock,
+    /// Tells the watcher a release will follow (see `release_coming`).
+    release_coming: Arc<Notify>,
     farewell: Vec<u8>,
     fencing_token: Option<u64>,
 }
@@ -274,8 +329,11 @@ impl SessionLock {
         fencing_token: Option<u64>,
     ) -> SessionLock {
         let dead_by = Deadline::after(watcher.timing().budget + watcher.timing().grace);
+        let release_coming = Arc::new(Notify::new());
+        let coming = release_coming.clone();
         SessionLock {
-            watched: WatchedLock::spawn(dead_by, |ends| watch_session(watcher, conn, ends)),
+            watched: WatchedLock::spawn(dead_by, |ends| watch_session(watcher, conn, ends, coming)),
+            release_coming,
             farewell,
             fencing_token,
         }
@@ -298,6 +356,12 @@ impl SessionLock {
 
     pub fn reported_loss(&self) -> Option<LockLoss> {
         self.watched.reported_loss()
+    }
+
+    /// Says a release will follow once the app's tree is gone, so the watcher opens its interrupter
+    /// meanwhile. Never blocks.
+    pub fn release_coming(&self) {
+        self.release_coming.notify_one();
     }
 
     pub async fn release(self) -> Result<(), LockError> {
