@@ -210,8 +210,16 @@ fn single(raw: &str) -> Result<(Spec, RedactedUrl), ConfigError> {
     let shown = RedactedUrl::of(&url);
     let info = raw
         .into_connection_info()
+        .map(unannounced)
         .map_err(|e| invalid(format!("--url {shown}: {}", shown.scrub(e))))?;
     Ok((Spec::Primary(info), shown))
+}
+
+/// Without the driver's `CLIENT SETINFO` on connecting: a round trip on every start-up and
+/// reconnection that only tells the server the driver's name and version.
+fn unannounced(info: ConnectionInfo) -> ConnectionInfo {
+    let settings = info.redis_settings().clone().set_skip_set_lib_name();
+    info.set_redis_settings(settings)
 }
 
 /// `redis+sentinel://[user:pass@]host1[:26379],host2[:26379]/group[/db]`: the credentials and the
@@ -315,7 +323,7 @@ impl Hosts {
         }
         let nodes = parsed
             .iter()
-            .map(|url| url.as_str().into_connection_info())
+            .map(|url| url.as_str().into_connection_info().map(unannounced))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| invalid(format!("--url {shown}: {}", shown.scrub(e))))?;
         Ok(Hosts {
