@@ -154,21 +154,12 @@ async fn settle_one_by_one(
     wanted: u64,
     bounded: Duration,
 ) -> Result<Settled, LockError> {
-    let vars = timeout(bounded, conn.query(SAFETY_QUERY))
-        .await
-        .map_err(|_| no_answer(target, "SHOW GLOBAL VARIABLES", bounded))?
-        .map_err(|e| setup_error(target, e))?;
-    timeout(
-        bounded,
-        conn.query_drop(format!("SET SESSION wait_timeout = {wanted}")),
-    )
-    .await
-    .map_err(|_| no_answer(target, "SET SESSION wait_timeout", bounded))?
-    .map_err(|e| setup_error(target, e))?;
-    let kept = timeout(bounded, conn.query_first("SELECT @@session.wait_timeout"))
-        .await
-        .map_err(|_| no_answer(target, "SELECT @@session.wait_timeout", bounded))?
-        .map_err(|e| setup_error(target, e))?;
+    let step = |what| (target, what, bounded);
+    let vars = set_up(step("SHOW GLOBAL VARIABLES"), conn.query(SAFETY_QUERY)).await?;
+    let set = format!("SET SESSION wait_timeout = {wanted}");
+    set_up(step("SET SESSION wait_timeout"), conn.query_drop(set)).await?;
+    let read_back = conn.query_first("SELECT @@session.wait_timeout");
+    let kept = set_up(step("SELECT @@session.wait_timeout"), read_back).await?;
     for variable in ["max_statement_time", "max_execution_time"] {
         let set = format!("SET SESSION {variable} = 0");
         match timeout(bounded, conn.query_drop(&set)).await {
@@ -179,6 +170,18 @@ async fn settle_one_by_one(
         }
     }
     Ok((vars, kept))
+}
+
+/// One statement of the session's set-up, `what` within `limit`: no answer and an error are both
+/// the server's failure to set up.
+async fn set_up<T>(
+    (target, what, limit): (&MysqlTarget, &str, Duration),
+    statement: impl Future<Output = Result<T, mysql_async::Error>>,
+) -> Result<T, LockError> {
+    timeout(limit, statement)
+        .await
+        .map_err(|_| no_answer(target, what, limit))?
+        .map_err(|e| setup_error(target, e))
 }
 
 /// MySQL's "Unknown system variable": the other server family's setting.

@@ -314,11 +314,11 @@ impl Watchdog {
                     .chain(set.iter().map(|(k, _)| k))
                     .any(|h| key == h)
             })
-            .map(|(key, value)| [key.as_bytes(), b"=", value.as_bytes()].concat());
+            .map(|(key, value)| env_entry(key.as_bytes(), value.as_bytes()));
         let envp = c_strings(
             inherited.chain(
                 set.iter()
-                    .map(|(k, v)| [k.as_bytes(), b"=", v.as_bytes()].concat()),
+                    .map(|(k, v)| env_entry(k.as_bytes(), v.as_bytes())),
             ),
         )?;
         let dev_null = File::options().read(true).write(true).open("/dev/null")?;
@@ -404,6 +404,11 @@ impl Watchdog {
             }
         }
     }
+}
+
+/// `key=value`, as exec takes an environment variable.
+fn env_entry(key: &[u8], value: &[u8]) -> Vec<u8> {
+    [key, b"=", value].concat()
 }
 
 /// NUL-terminated copies of `items`; an item with a NUL inside cannot be passed to exec.
