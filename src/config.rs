@@ -29,6 +29,10 @@ fn invalid(message: impl Into<String>) -> ConfigError {
 /// Room, on top of the guard's own detection bound, for scheduling delays on the guard's host and
 /// network latency, before a MySQL or PostgreSQL server may free the lock of a silent connection.
 pub const SESSION_SAFETY_MARGIN: Duration = Duration::from_secs(5);
+/// The longest one server-side wait for the lock (`GET_LOCK`, `pg_advisory_lock` with a timeout)
+/// lasts: a grant is accepted up to this plus `--check-timeout` after it was asked for, which the
+/// server's session timeout must cover too.
+pub const MAX_LOCK_WAIT_CHUNK: Duration = Duration::from_secs(2);
 /// The largest `wait_timeout` MySQL and MariaDB accept on Unix.
 const MYSQL_MAX_WAIT_TIMEOUT_SECS: u64 = 31_536_000;
 const MIN_CHECK_INTERVAL: Duration = Duration::from_millis(100);
@@ -799,9 +803,29 @@ impl Timings {
     /// The shortest time, in whole seconds, after which a server may end a silent session and free
     /// its lock: MySQL's `wait_timeout`; PostgreSQL's `idle_session_timeout`, `tcp_user_timeout` and
     /// TCP keepalive idle time. The guard has detected the silence and killed its command by then.
+    ///
+    /// The server counts a session idle from when it *sent* its last answer, the guard from when it
+    /// sends its next question, and an answer counts if it arrives within its budget. So the worst
+    /// case is an answer sent the moment the server could (a check right after its sleep, a grant at
+    /// once) that reaches the guard as late as it may, followed by silence: the guard's next
+    /// question, sent then, sets the app's deadline one budget and a grace period later still.
+    /// - a check: the server answers `check_interval` after the question, the answer may arrive
+    ///   `check_interval + check_timeout` after it; the deadline that follows is `2 x (interval +
+    ///   timeout) + grace` after the question, `interval + 2 x timeout + grace` after the answer;
+    /// - a grant: the server may answer at once, the grant may arrive `chunk + check_timeout` after
+    ///   the question (`MAX_LOCK_WAIT_CHUNK`); the deadline that follows is `chunk + interval + 2 x
+    ///   timeout + grace` after the answer.
+    ///
+    /// The second is the longer; the margin covers scheduling on the guard's host.
     pub fn session_timeout_secs(&self) -> u64 {
-        let needed = self.detection_bound() + self.grace_period + SESSION_SAFETY_MARGIN;
+        let needed = self.worst_answer_to_deadline() + SESSION_SAFETY_MARGIN;
         needed.as_secs() + u64::from(needed.subsec_nanos() > 0)
+    }
+
+    /// The longest the guard can rely on a lock after the server sent its last answer (see
+    /// `session_timeout_secs`).
+    fn worst_answer_to_deadline(&self) -> Duration {
+        MAX_LOCK_WAIT_CHUNK + self.check_interval + 2 * self.check_timeout + self.grace_period
     }
 
     /// What the guard subtracts from a Redis lease for clock-rate drift between guard and server and
@@ -839,8 +863,9 @@ impl Timings {
             if wait_timeout > MYSQL_MAX_WAIT_TIMEOUT_SECS {
                 return Err(invalid(format!(
                     "the MySQL server must not free the lock before the guard has stopped the command, \
-                     which needs wait_timeout = check-interval {} + check-timeout {} + grace-period {} + margin {} = {wait_timeout}s, \
+                     which needs wait_timeout = lock wait {} + check-interval {} + 2 x check-timeout {} + grace-period {} + margin {} = {wait_timeout}s, \
                      above the server's maximum of {MYSQL_MAX_WAIT_TIMEOUT_SECS}s: shorten --grace-period or --check-interval",
+                    show(MAX_LOCK_WAIT_CHUNK),
                     show(self.check_interval),
                     show(self.check_timeout),
                     show(self.grace_period),
@@ -1003,8 +1028,9 @@ mod tests {
 
     #[test]
     fn session_timeout_covers_detection_grace_and_margin() {
-        assert_eq!(timings(1000, 2000, 10_000).session_timeout_secs(), 18);
-        assert_eq!(timings(200, 500, 1000).session_timeout_secs(), 7);
+        // 2s lock wait + interval + 2 x timeout + grace + 5s margin.
+        assert_eq!(timings(1000, 2000, 10_000).session_timeout_secs(), 22);
+        assert_eq!(timings(200, 500, 1000).session_timeout_secs(), 10);
     }
 
     #[test]
@@ -1368,5 +1394,113 @@ mod never_panics {
             assert_eq!(target.opts.ip_or_hostname(), host, "{raw}");
             assert_eq!(target.opts.tcp_port(), port, "{raw}");
         }
+    }
+}
+
+/// The server's session timeout against a model of the server's idle clock, over the whole timing
+/// range the guard accepts: whatever the network does to the answers the guard still accepts, the
+/// server cannot free a silent session's lock before the app's deadline that followed them.
+#[cfg(test)]
+mod server_idle_clock {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn ms(d: Duration) -> u64 {
+        d.as_millis() as u64
+    }
+
+    /// Every moment in milliseconds from the guard's question; returns (server frees the lock, the
+    /// app's deadline), or `None` when the guard refuses the answer (too late) or the timings.
+    /// `server_wait` is how long the server took before it answered (its sleep, or its wait for the
+    /// lock), `there` and `back` the network's delays each way, `budget` the answer's.
+    fn model(
+        timings: &Timings,
+        server_wait: u64,
+        there: u64,
+        back: u64,
+        budget: u64,
+    ) -> Option<(u64, u64)> {
+        let mysql = Target::parse("mysql://u:p@127.0.0.1/test", "sg").ok()?;
+        timings.validate(Some(&mysql)).ok()?;
+        let answered = there + server_wait;
+        let arrived = answered + back;
+        if arrived > budget {
+            return None;
+        }
+        // The next question goes out as the answer arrives, and moves the deadline.
+        let deadline = arrived + ms(timings.detection_bound()) + ms(timings.grace_period);
+        let frees = answered + timings.session_timeout_secs() * 1000;
+        Some((frees, deadline))
+    }
+
+    fn timing() -> impl Strategy<Value = Timings> {
+        (100u64..3_600_000, 100u64..600_000, 0u64..3_600_000).prop_map(|(i, t, g)| Timings {
+            check_interval: Duration::from_millis(i),
+            check_timeout: Duration::from_millis(t),
+            connect_timeout: Duration::from_secs(5),
+            grace_period: Duration::from_millis(g),
+            ttl: Duration::from_secs(30),
+            renew_interval: Duration::from_secs(10),
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(5000))]
+
+        #[test]
+        fn a_late_check_answer_then_silence_never_frees_the_lock_first(
+            timings in timing(),
+            there in 0.0f64..1.0,
+            back in 0.0f64..1.0,
+        ) {
+            let budget = ms(timings.detection_bound());
+            let slack = budget - ms(timings.check_interval);
+            // The server answers once its sleep is over; the network shares out what is left.
+            let there = (there * slack as f64) as u64;
+            let back = (back * (slack - there) as f64) as u64;
+            let sleep = ms(timings.check_interval);
+            if let Some((frees, deadline)) = model(&timings, sleep, there, back, budget) {
+                prop_assert!(frees > deadline, "frees at {frees} ms, app dead by {deadline} ms");
+            }
+        }
+
+        #[test]
+        fn a_late_grant_then_silence_never_frees_the_lock_first(
+            timings in timing(),
+            chunk in 0u64..=2_000,
+            wait in 0.0f64..1.0,
+            there in 0.0f64..1.0,
+            back in 0.0f64..1.0,
+        ) {
+            let chunk = chunk.min(ms(MAX_LOCK_WAIT_CHUNK));
+            let budget = chunk + ms(timings.check_timeout);
+            let wait = (wait * chunk as f64) as u64;
+            let there = (there * (budget - wait) as f64) as u64;
+            let back = (back * (budget - wait - there) as f64) as u64;
+            if let Some((frees, deadline)) = model(&timings, wait, there, back, budget) {
+                prop_assert!(frees > deadline, "frees at {frees} ms, app dead by {deadline} ms");
+            }
+        }
+    }
+
+    /// The case an outsider measured: check-interval 1s, check-timeout 10s, grace 1s, an answer 9s
+    /// late, then silence. The old `wait_timeout` (17s) freed the lock 2s before the deadline.
+    #[test]
+    fn the_measured_case_is_covered() {
+        let timings = Timings {
+            check_interval: Duration::from_secs(1),
+            check_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(5),
+            grace_period: Duration::from_secs(1),
+            ttl: Duration::from_secs(30),
+            renew_interval: Duration::from_secs(10),
+        };
+        let (frees, deadline) = model(&timings, 1_000, 0, 9_000, 11_000).unwrap();
+        assert!(frees > deadline, "{frees} <= {deadline}");
+        assert!(
+            17_000 + 1_000 < deadline,
+            "the old timeout would have freed it first"
+        );
     }
 }

@@ -3,6 +3,7 @@
 
 mod backend;
 mod cli;
+mod conceal;
 mod config;
 mod deadline;
 mod endpoints;
@@ -46,6 +47,8 @@ fn main() -> ExitCode {
         return supervisor::watchdog::main(&args, backend::say_farewell);
     }
     let cli = Cli::try_parse().unwrap_or_else(|e| with_separator_hint(e).exit());
+    // Read: from here on, no process of the guard's user can read the URL from the guard.
+    conceal::conceal_credentials();
     let guard_switch =
         std::env::var_os(cli::GUARD_SWITCH_VAR).map(|v| v.to_string_lossy().into_owned());
     let invocation = match Invocation::from_cli(cli, guard_switch.as_deref()) {

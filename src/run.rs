@@ -751,13 +751,21 @@ impl Guard<'_> {
         };
         let mut app = match started {
             Ok(app) => app,
+            Err(StartError::DeadlinePassed) => {
+                // Not ours to give back: dropping the lock closes what is left of it.
+                self.metrics.lock_lost(LossReason::DeadlinePassed);
+                error!(event = "lock_lost", reason = %LossReason::DeadlinePassed, detail = "the lock's deadline passed before the command could run", "lock lost before the app was started; the app was not started");
+                return Finished::LockLost(AppGone::NeverStarted);
+            }
             Err(e) => {
                 error!(event = "app_start_failed", error = %e, "app not started");
                 self.release_unused(held).await;
                 return match e {
                     StartError::Spawn(SpawnError::NotFound { .. }) => Outcome::NotFound,
                     StartError::Spawn(SpawnError::NotExecutable { .. }) => Outcome::NotExecutable,
-                    StartError::Setup(_) | StartError::Watchdog(_) => Outcome::Internal,
+                    StartError::Setup(_) | StartError::Watchdog(_) | StartError::DeadlinePassed => {
+                        Outcome::Internal
+                    }
                 }
                 .into();
             }

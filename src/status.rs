@@ -8,7 +8,7 @@ use serde_json::{json, Map, Value};
 use crate::backend::{self, HolderInfo};
 use crate::cli::OutputFormat;
 use crate::config::StatusConfig;
-use crate::outcome::EXIT_UNAVAILABLE;
+use crate::outcome::{EXIT_UNAVAILABLE, EXIT_USAGE};
 use crate::window::Claim;
 
 pub const EXIT_HELD: u8 = 0;
@@ -45,6 +45,11 @@ pub async fn run(config: &StatusConfig) -> u8 {
             } else {
                 EXIT_FREE
             }
+        }
+        // A path that is no lock file is a mistake in the invocation, as for the guard itself.
+        Err(e @ backend::LockError::NotALockFile(_)) => {
+            eprintln!("sentinel-guard: error: {e}");
+            EXIT_USAGE
         }
         Err(e) => {
             eprintln!("sentinel-guard: error: {e}");

@@ -14,6 +14,10 @@ pub enum LossReason {
     ConnectionClosed,
     /// The backend answered that someone else, or no one, holds the lock.
     NotOwner,
+    /// The server holding the lock is no longer a writable primary (MySQL `read_only`, PostgreSQL in
+    /// recovery, Redis a replica): a switchover demoted it in place, and the new primary can grant
+    /// the lock to anyone.
+    PrimaryDemoted,
     /// The backend did not answer a check within check-interval + check-timeout, or answered later.
     CheckTimeout,
     /// The backend answered a check with an error.
@@ -34,9 +38,10 @@ pub enum LossReason {
 }
 
 impl LossReason {
-    pub const ALL: [LossReason; 10] = [
+    pub const ALL: [LossReason; 11] = [
         LossReason::ConnectionClosed,
         LossReason::NotOwner,
+        LossReason::PrimaryDemoted,
         LossReason::CheckTimeout,
         LossReason::CheckFailed,
         LossReason::LeaseExpiring,
@@ -51,6 +56,7 @@ impl LossReason {
         match self {
             LossReason::ConnectionClosed => "connection_closed",
             LossReason::NotOwner => "not_owner",
+            LossReason::PrimaryDemoted => "primary_demoted",
             LossReason::CheckTimeout => "check_timeout",
             LossReason::CheckFailed => "check_failed",
             LossReason::LeaseExpiring => "lease_expiring",

@@ -7,8 +7,8 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::fd::AsFd;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -88,7 +88,7 @@ pub async fn acquire(path: &Path, request: &LockRequest<'_>) -> Result<Acquisiti
                 Err(_) if FileIdentity::at(path) != Some(identity) => break,
                 Err(_) => {
                     if contention.log_due() {
-                        if let Ok(mut file) = File::open(path) {
+                        if let Ok(Some(mut file)) = open_to_read(path) {
                             contention.waiting(&describe_holder(&mut file, None));
                         }
                     }
@@ -196,17 +196,15 @@ fn hold(
 /// Who holds the lock now, read from /proc/locks without taking it: even a brief test lock could make
 /// a starting guard believe the lock held and exit.
 pub fn status(path: &Path) -> Result<Option<HolderInfo>, LockError> {
-    let meta = match std::fs::metadata(path) {
-        Ok(meta) => meta,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(io_error(path, e)),
+    let Some(mut file) = open_to_read(path)? else {
+        return Ok(None);
     };
+    let meta = file.metadata().map_err(|e| io_error(path, e))?;
     let locks = std::fs::read_to_string("/proc/locks")
         .map_err(|e| io_error(Path::new("/proc/locks"), e))?;
     let Some(pid) = flock_holder(&locks, &meta) else {
         return Ok(None);
     };
-    let mut file = File::open(path).map_err(|e| io_error(path, e))?;
     Ok(Some(describe_holder(&mut file, Some(pid))))
 }
 
@@ -234,43 +232,26 @@ fn flock_holder(locks: &str, meta: &std::fs::Metadata) -> Option<u32> {
 /// would keep the lock alive after the guard died. `O_NOFOLLOW`: a symbolic link planted at the path
 /// (in a shared directory, the classic attack on a program running as root) is never followed; a new
 /// file is created `0644`. Anything but an empty file or one of this program's own is refused before
-/// any byte is written.
+/// any byte is written, and anything but a regular file before it is even opened (`look`).
 fn open(path: &Path) -> Result<File, LockError> {
-    let mut file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o644)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(path)
-        .map_err(|e| match e.raw_os_error() {
-            Some(nix::libc::ELOOP) => LockError::NotALockFile(format!(
-                "{}: is a symbolic link; a lock file must be a regular file (links are never followed, so \
-                 a link cannot redirect the guard to another file)",
-                path.display()
-            )),
-            Some(nix::libc::EISDIR) => LockError::NotALockFile(format!(
-                "{}: is a directory, not a lock file",
-                path.display()
-            )),
-            _ if e.kind() == std::io::ErrorKind::NotFound => LockError::Refused(format!(
-                "{}: the directory {} does not exist",
-                path.display(),
-                path.parent()
-                    .map(Path::display)
-                    .map(|d| d.to_string())
-                    .unwrap_or_default()
-            )),
-            _ => io_error(path, e),
-        })?;
-    let meta = file.metadata().map_err(|e| io_error(path, e))?;
-    if !meta.file_type().is_file() {
-        return Err(LockError::NotALockFile(format!(
-            "{}: is not a regular file; a lock file must be one",
-            path.display()
-        )));
-    }
+    let mut file = match look(path)? {
+        Some(found) => reopen(path, &found, true)?,
+        None => OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .custom_flags(SAFE_OPEN)
+            .open(path)
+            .map_err(|e| match e.kind() {
+                // Made by someone else a moment ago: looked at again on the next attempt.
+                std::io::ErrorKind::AlreadyExists => LockError::Refused(format!(
+                    "{}: appeared while the guard created it; try again",
+                    path.display()
+                )),
+                _ => open_error(path, e),
+            })?,
+    };
     let mut head = Vec::new();
     (&mut file)
         .take(MAGIC.len() as u64)
@@ -286,6 +267,116 @@ fn open(path: &Path) -> Result<File, LockError> {
     file.seek(SeekFrom::Start(0))
         .map_err(|e| io_error(path, e))?;
     Ok(file)
+}
+
+/// Flags of every open of a lock path, on top of std's `O_CLOEXEC`: never through a symbolic link;
+/// never becoming the controlling terminal; never waiting (had a special file slipped past `look`).
+const SAFE_OPEN: i32 = nix::libc::O_NOFOLLOW | nix::libc::O_NOCTTY | nix::libc::O_NONBLOCK;
+
+/// What is at `path`, looked at without opening it for real: opening a FIFO wakes whoever waits on
+/// its other end, and opening a device has effects of its own (`/dev/watchdog` arms a reboot timer,
+/// a terminal can become the guard's controlling terminal). `O_PATH` opens nothing but the name,
+/// without following a link. `None`: nothing there. Anything but a regular file is refused.
+fn look(path: &Path) -> Result<Option<File>, LockError> {
+    let found = OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_PATH | nix::libc::O_NOFOLLOW)
+        .open(path);
+    let found = match found {
+        Ok(found) => found,
+        Err(e)
+            if e.kind() == std::io::ErrorKind::NotFound
+                && path.parent().is_some_and(Path::is_dir) =>
+        {
+            return Ok(None)
+        }
+        Err(e) => return Err(open_error(path, e)),
+    };
+    let kind = found.metadata().map_err(|e| io_error(path, e))?.file_type();
+    let what = if kind.is_file() {
+        return Ok(Some(found));
+    } else if kind.is_symlink() {
+        return Err(open_error(
+            path,
+            std::io::Error::from_raw_os_error(nix::libc::ELOOP),
+        ));
+    } else if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_char_device() || kind.is_block_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    };
+    Err(LockError::NotALockFile(format!(
+        "{}: is {what}, not a lock file (it was not opened); a lock file must be a regular file",
+        path.display()
+    )))
+}
+
+/// Opens for real the regular file `look` found, and no other: through `/proc/self/fd`, which names
+/// the very inode looked at, so a path swapped meanwhile cannot slip a FIFO or a device in. Without
+/// /proc, the path itself, and the inode compared afterwards.
+fn reopen(path: &Path, found: &File, write: bool) -> Result<File, LockError> {
+    let mut options = OpenOptions::new();
+    options.read(true).write(write);
+    let by_fd = Path::new("/proc/self/fd").join(found.as_raw_fd().to_string());
+    // The fd's link is followed, as it must be: it is not the path, but the inode itself.
+    let opened = options
+        .clone()
+        .custom_flags(nix::libc::O_NOCTTY | nix::libc::O_NONBLOCK)
+        .open(&by_fd);
+    match opened {
+        Ok(file) => Ok(file),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(open_error(path, e)),
+        Err(_) => {
+            let file = options
+                .custom_flags(SAFE_OPEN)
+                .open(path)
+                .map_err(|e| open_error(path, e))?;
+            let same = |f: &File| f.metadata().ok().map(|m| (m.dev(), m.ino()));
+            if same(&file).is_none() || same(&file) != same(found) {
+                return Err(LockError::Refused(format!(
+                    "{}: was replaced while the guard opened it; try again",
+                    path.display()
+                )));
+            }
+            Ok(file)
+        }
+    }
+}
+
+/// An existing regular file at `path`, opened to read only; `None` when nothing is there.
+fn open_to_read(path: &Path) -> Result<Option<File>, LockError> {
+    look(path)?
+        .map(|found| reopen(path, &found, false))
+        .transpose()
+}
+
+fn open_error(path: &Path, e: std::io::Error) -> LockError {
+    match e.raw_os_error() {
+        Some(nix::libc::ELOOP) => LockError::NotALockFile(format!(
+            "{}: is a symbolic link; a lock file must be a regular file (links are never followed, so \
+             a link cannot redirect the guard to another file)",
+            path.display()
+        )),
+        Some(nix::libc::EISDIR) => LockError::NotALockFile(format!(
+            "{}: is a directory, not a lock file",
+            path.display()
+        )),
+        _ if e.kind() == std::io::ErrorKind::NotFound => LockError::Refused(format!(
+            "{}: the directory {} does not exist",
+            path.display(),
+            path.parent()
+                .map(Path::display)
+                .map(|d| d.to_string())
+                .unwrap_or_default()
+        )),
+        _ => io_error(path, e),
+    }
 }
 
 /// Empty, this program's magic line, or the start of it (a record being written right now: every
@@ -363,7 +454,7 @@ fn read_claim(file: &mut File) -> Option<Claim> {
 
 /// The last claimed window recorded in the lock file, read without taking the lock.
 pub fn last_claim(path: &Path) -> Option<Claim> {
-    read_claim(&mut File::open(path).ok()?)
+    read_claim(&mut open_to_read(path).ok()??)
 }
 
 /// What the held lock's file says: the holder, and the last claimed window, kept across holders.

@@ -8,6 +8,7 @@ mod file;
 mod mysql;
 mod postgres;
 mod redis;
+mod session_socket;
 mod watched;
 
 use std::fmt;
@@ -166,14 +167,13 @@ impl Contention<'_> {
 
     /// How long the next server-side wait for the lock (MySQL `GET_LOCK`, PostgreSQL
     /// `pg_advisory_lock`) may last: none while the "still waiting" line is due, so a standby names
-    /// the holder at once; else a chunk of at most 2s, so patience and the session's health are
+    /// the holder at once; else a chunk of at most `MAX_LOCK_WAIT_CHUNK`, so patience and the session's health are
     /// re-checked regularly. The server grants a waiter the lock the moment it is free.
     pub fn next_wait(&self, patience: Patience) -> Duration {
-        const CHUNK: Duration = Duration::from_secs(2);
         if self.log_due() {
             Duration::ZERO
         } else {
-            patience.cap(CHUNK)
+            patience.cap(crate::config::MAX_LOCK_WAIT_CHUNK)
         }
     }
 

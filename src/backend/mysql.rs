@@ -38,8 +38,8 @@ const DRIVER_PACKET_LIMIT: usize = 4 << 20;
 /// The driver's idea of the server's `wait_timeout` (only its pool uses it; the guard has none).
 const DRIVER_WAIT_TIMEOUT: usize = 28_800;
 /// The server settings that make `GET_LOCK` unsafe as a singleton lock (`refuse_unsafe`).
-const SAFETY_QUERY: &str =
-    "SHOW GLOBAL VARIABLES WHERE Variable_name IN ('read_only', 'super_read_only', 'wsrep_on')";
+const SAFETY_QUERY: &str = "SHOW GLOBAL VARIABLES WHERE Variable_name IN ('read_only', \
+     'super_read_only', 'wsrep_on', 'group_replication_single_primary_mode', 'ndb_version_string')";
 
 /// Whether an error says the server has ended the session (or the socket closed), rather than
 /// refused one statement.
@@ -230,6 +230,7 @@ pub async fn acquire(
                 )
             )),
             Ok(Ok(Some(Some(1)))) => {
+                let ports = session_ports(&mut conn, target, timings.check_timeout).await;
                 info!(
                     event = "lock_acquired",
                     connection_id = conn.id(),
@@ -238,7 +239,10 @@ pub async fn acquire(
                     "mysql lock acquired"
                 );
                 return Ok(Acquisition::Acquired(HeldLock::Mysql(watch(
-                    conn, target, request,
+                    conn,
+                    target,
+                    request,
+                    (sent + chunk, ports),
                 ))));
             }
             Ok(Ok(Some(Some(0)))) if patience.exhausted() => {
@@ -270,6 +274,26 @@ pub async fn acquire(
     }
 }
 
+/// The session's client port as the server sees it, and the server's port: what finds the session's
+/// socket for the watchdog's copy. None without an answer in time (the copy is then not made).
+async fn session_ports(
+    conn: &mut Conn,
+    target: &MysqlTarget,
+    limit: Duration,
+) -> Option<(u16, u16)> {
+    let host = timeout(
+        limit,
+        conn.query_first::<Option<String>, _>(
+            "SELECT HOST FROM information_schema.PROCESSLIST WHERE ID = CONNECTION_ID()",
+        ),
+    )
+    .await
+    .ok()?
+    .ok()??;
+    let client = host?.rsplit(':').next()?.parse().ok()?;
+    Some((client, target.opts.tcp_port()))
+}
+
 /// Who holds `name` now, without taking it.
 pub async fn status(
     target: &MysqlTarget,
@@ -297,20 +321,35 @@ fn version(conn: &Conn) -> String {
     format!("{major}.{minor}.{patch}")
 }
 
-/// `GET_LOCK` on a read-only replica or a Galera node does not make a cluster-wide singleton.
+/// `GET_LOCK` on a read-only replica, a Galera node, a member of a multi-primary Group Replication
+/// group or an NDB SQL node does not make a cluster-wide singleton: there the lock is local to one
+/// node, and another node grants the same name.
 fn refuse_unsafe(vars: Vec<(String, String)>) -> Result<(), LockError> {
     for (variable, value) in vars {
-        let on = matches!(value.to_ascii_uppercase().as_str(), "ON" | "1");
+        let upper = value.to_ascii_uppercase();
+        let on = matches!(upper.as_str(), "ON" | "1");
+        let refuse = |why: String| Err(LockError::Unsafe(why));
         match variable.to_ascii_lowercase().as_str() {
             "read_only" | "super_read_only" if on => {
-                return Err(LockError::Unsafe(format!(
+                return refuse(format!(
                     "@@global.{variable}=ON: this is a replica or reader endpoint; point --url at the primary"
-                )))
+                ))
             }
             "wsrep_on" if on => {
-                return Err(LockError::Unsafe(
+                return refuse(
                     "wsrep_on=ON: on Galera/PXC, GET_LOCK is local to one node (or an error), so two nodes can each grant it"
                         .to_owned(),
+                )
+            }
+            "group_replication_single_primary_mode" if matches!(upper.as_str(), "OFF" | "0") => {
+                return refuse(
+                    "group_replication_single_primary_mode=OFF: in a multi-primary group GET_LOCK is local to one member, so two members can each grant it"
+                        .to_owned(),
+                )
+            }
+            "ndb_version_string" if !value.is_empty() => {
+                return refuse(format!(
+                    "this is an NDB Cluster SQL node ({value}): GET_LOCK is local to one SQL node, so two nodes can each grant it"
                 ))
             }
             _ => {}
@@ -395,35 +434,21 @@ async fn end_on(
     conn: &mut Conn,
     target: &MysqlTarget,
 ) -> Result<String, String> {
-    let holder = holder_connection(conn, &farewell.name, farewell.timeout)
-        .await
-        .map_err(|e| match e {
-            Some(e) => target.url.scrub(e),
-            None => "no answer to IS_USED_LOCK".to_owned(),
-        })?;
-    if holder != Some(u64::from(farewell.session_id)) {
-        return Ok(format!(
-            "left connection {} alone: the lock is no longer held by it",
-            farewell.session_id
-        ));
-    }
-    // The same id could be a stranger's after a server restart; the dead guard's session is
-    // the one whose outstanding check names its holder id. A session with no query running
-    // ends on its own the moment its client's socket closes.
-    let info: Option<Option<String>> = timeout(
+    let ours = runs_our_check(
+        conn,
+        &farewell.name,
+        farewell.session_id,
+        &farewell.holder_id,
         farewell.timeout,
-        conn.exec_first(
-            "SELECT INFO FROM information_schema.PROCESSLIST WHERE ID = ?",
-            (farewell.session_id,),
-        ),
     )
     .await
-    .map_err(|_| "no answer to the process list query".to_owned())?
-    .map_err(|e| target.url.scrub(e))?;
-    let ours = format!("holder_id={} ", farewell.holder_id);
-    if !info.flatten().is_some_and(|query| query.contains(&ours)) {
+    .map_err(|e| match e {
+        Some(e) => target.url.scrub(e),
+        None => "no answer to the session's proof".to_owned(),
+    })?;
+    if !ours {
         return Ok(format!(
-            "left connection {} alone: it is not running the dead guard's check",
+            "left connection {}: it no longer holds the lock while running the dead guard's check",
             farewell.session_id
         ));
     }
@@ -442,12 +467,41 @@ async fn end_on(
     }
 }
 
+/// Whether connection `id` of the server `conn` reaches holds `name` and is running the check of
+/// the guard `holder_id` (its comment names the holder): the proof that the number is the lock's
+/// session, and not a stranger's that got the same id after a restart, or on another server behind
+/// a proxy or a moved address. Only then may it be interrupted or ended. `Err(None)` is a timeout.
+async fn runs_our_check(
+    conn: &mut Conn,
+    name: &str,
+    id: u32,
+    holder_id: &str,
+    limit: Duration,
+) -> Result<bool, Option<mysql_async::Error>> {
+    let ours = format!("%holder_id={holder_id} %");
+    let proof = conn.exec_first::<Option<i64>, _, _>(
+        "SELECT IS_USED_LOCK(?) = ? AND EXISTS (SELECT 1 FROM information_schema.PROCESSLIST \
+         WHERE ID = ? AND INFO LIKE ?)",
+        (name, id, id, ours),
+    );
+    match timeout(limit, proof).await {
+        Err(_) => Err(None),
+        Ok(Err(e)) => Err(Some(e)),
+        Ok(Ok(answer)) => Ok(answer.flatten() == Some(1)),
+    }
+}
+
 /// MariaDB's "Unknown thread id": the session had already ended.
 const ER_NO_SUCH_THREAD: u16 = 1094;
 
 /// A held `GET_LOCK`: a task owns the connection and keeps proving ownership until it is told to
 /// release or finds the lock gone.
-fn watch(conn: Conn, target: &MysqlTarget, request: &LockRequest<'_>) -> MysqlLock {
+fn watch(
+    conn: Conn,
+    target: &MysqlTarget,
+    request: &LockRequest<'_>,
+    asked: (Deadline, Option<(u16, u16)>),
+) -> MysqlLock {
     let farewell = SessionFarewell {
         server: Server::Mysql,
         url: target.secret.clone(),
@@ -461,13 +515,15 @@ fn watch(conn: Conn, target: &MysqlTarget, request: &LockRequest<'_>) -> MysqlLo
     let connection_id = conn.id();
     let watcher = Watcher {
         conn_id: conn.id(),
+        name: request.name.as_str().to_owned(),
+        holder_id: request.holder.id.clone(),
         target: target.clone(),
         check_sql: check_sql(request),
         release_sql: format!("SELECT RELEASE_LOCK('{}')", request.name.as_str()),
         timing: CheckTiming::of(request),
     };
     MysqlLock {
-        session: SessionLock::spawn(watcher, conn, farewell, None),
+        session: SessionLock::spawn(watcher, conn, farewell, None, asked),
         target: target.clone(),
         connection_id,
     }
@@ -799,12 +855,17 @@ pub async fn last_claim(
     last
 }
 
-/// The query that proves ownership; the comment lets a refused instance name this guard from the
+/// The query that proves ownership, and in the same statement that the server is still a writable
+/// primary: a primary demoted in place (`read_only`, which `super_read_only` implies, set by a
+/// switchover while the lock is held) keeps the lock valid on itself while the new primary grants
+/// the name to anyone. `read_only` is read as text: MariaDB 11 made it a list of levels, where
+/// anything but `OFF` refuses writes. The comment lets a refused instance name this guard from the
 /// process list. Lock names and holder fields are restricted to characters that need no escaping.
 fn check_sql(request: &LockRequest<'_>) -> String {
     let sleep = request.timings.check_interval.as_secs_f64();
     format!(
-        "SELECT SLEEP({sleep:.3}), IS_USED_LOCK('{name}') = CONNECTION_ID() /* sentinel-guard {holder} */",
+        "SELECT SLEEP({sleep:.3}), IS_USED_LOCK('{name}') = CONNECTION_ID(), \
+         CAST(@@global.read_only AS CHAR) NOT IN ('0', 'OFF') /* sentinel-guard {holder} */",
         name = request.name.as_str(),
         holder = request.holder,
     )
@@ -812,6 +873,9 @@ fn check_sql(request: &LockRequest<'_>) -> String {
 
 struct Watcher {
     conn_id: u32,
+    /// The lock's name and the guard's holder id: what proves `conn_id` is still the lock's session.
+    name: String,
+    holder_id: String,
     target: MysqlTarget,
     check_sql: String,
     release_sql: String,
@@ -820,7 +884,7 @@ struct Watcher {
 
 /// The row of `check_sql`, or why there is none.
 type CheckResult = Result<
-    Result<Option<(Option<i64>, Option<i64>)>, mysql_async::Error>,
+    Result<Option<(Option<i64>, Option<i64>, Option<i64>)>, mysql_async::Error>,
     tokio::time::error::Elapsed,
 >;
 
@@ -835,13 +899,17 @@ impl SessionWatcher for Watcher {
     fn check<'a>(&'a self, conn: &'a mut Conn) -> impl Future<Output = CheckResult> + Send + 'a {
         timeout(
             self.timing.budget,
-            conn.query_first::<(Option<i64>, Option<i64>), _>(&self.check_sql),
+            conn.query_first::<(Option<i64>, Option<i64>, Option<i64>), _>(&self.check_sql),
         )
     }
 
     fn verdict(&self, answer: CheckResult) -> Verdict {
         match answer {
-            Ok(Ok(Some((_, Some(1))))) => Verdict::Owned,
+            Ok(Ok(Some((_, _, Some(read_only))))) if read_only != 0 => Verdict::Demoted(
+                "@@global.read_only is ON: the server was demoted from primary while holding the lock"
+                    .to_owned(),
+            ),
+            Ok(Ok(Some((_, Some(1), Some(0))))) => Verdict::Owned,
             Ok(Ok(row)) => Verdict::NotOwner(format!(
                 "IS_USED_LOCK no longer names connection {} ({row:?})",
                 self.conn_id
@@ -868,9 +936,12 @@ impl SessionWatcher for Watcher {
     }
 
     /// `KILL QUERY` from a side connection, repeated until the check answers: the first one can
-    /// reach the server before the check itself does. A side connection that the server has closed
-    /// (one opened ahead can outlive its `wait_timeout` during a long teardown) is replaced by a new
-    /// one. Without a side connection the sleep simply runs out.
+    /// reach the server before the check itself does. Each is sent only once the side connection has
+    /// proven that the id is still the lock's session running this guard's check
+    /// (`runs_our_check`): after a restart or a moved address the number can be a stranger's. A side
+    /// connection that the server has closed (one opened ahead can outlive its `wait_timeout` during
+    /// a long teardown) is replaced by a new one. Without a side connection, or without the proof,
+    /// the sleep simply runs out.
     async fn interrupt<'a, F>(
         &'a self,
         mut check: Pin<&'a mut F>,
@@ -895,10 +966,29 @@ impl SessionWatcher for Watcher {
                     }
                 },
             };
-            if let Ok(Err(e)) = timeout(INTERRUPT_TIMEOUT, conn.query_drop(&kill)).await {
-                if session_ended(&e) {
-                    side = None;
+            let proof = runs_our_check(
+                conn,
+                &self.name,
+                self.conn_id,
+                &self.holder_id,
+                INTERRUPT_TIMEOUT,
+            )
+            .await;
+            let sent = match proof {
+                Ok(true) => timeout(INTERRUPT_TIMEOUT, conn.query_drop(&kill))
+                    .await
+                    .unwrap_or(Ok(())),
+                Ok(false) => {
+                    debug!(
+                        connection_id = self.conn_id,
+                        "the id no longer names the lock's session running this guard's check; not interrupting it"
+                    );
+                    break check.await;
                 }
+                Err(e) => e.map_or(Ok(()), Err),
+            };
+            if sent.is_err_and(|e| session_ended(&e)) {
+                side = None;
             }
             tokio::select! {
                 result = check.as_mut() => break result,

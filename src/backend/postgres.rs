@@ -397,7 +397,7 @@ pub async fn acquire(
                         Err(pooler) => Err(pooler),
                     };
                 match proven {
-                    Ok(token) => {
+                    Ok((token, ports)) => {
                         info!(
                             event = "lock_acquired",
                             backend_pid = session.pid,
@@ -407,7 +407,11 @@ pub async fn acquire(
                             "postgres lock acquired"
                         );
                         return Ok(Acquisition::Acquired(HeldLock::Postgres(watch(
-                            session, target, request, token,
+                            session,
+                            target,
+                            request,
+                            token,
+                            (sent + chunk, ports),
                         ))));
                     }
                     Err(e) => e,
@@ -456,11 +460,11 @@ async fn prove(
     target: &PostgresTarget,
     request: &LockRequest<'_>,
     key: i64,
-) -> Result<u64, LockError> {
+) -> Result<(u64, Option<(u16, u16)>), LockError> {
     let limit = request.timings.check_timeout;
     let sql = format!(
-        "SET lock_timeout = 0; SELECT pg_backend_pid(), {held}, pg_current_xact_id() \
-         /* sentinel-guard {holder} */",
+        "SET lock_timeout = 0; SELECT pg_backend_pid(), {held}, pg_current_xact_id(), \
+         inet_client_port() /* sentinel-guard {holder} */",
         held = held_here(key),
         holder = request.holder,
     );
@@ -482,8 +486,13 @@ async fn prove(
             target.url
         )));
     }
-    number(row, 2)
-        .ok_or_else(|| LockError::Unsafe(format!("pg_current_xact_id() returned {:?}", row.get(2))))
+    let token = number(row, 2).ok_or_else(|| {
+        LockError::Unsafe(format!("pg_current_xact_id() returned {:?}", row.get(2)))
+    })?;
+    // The client port as the server sees it (none over a Unix socket), and the server's: what
+    // finds the session's socket for the watchdog's copy.
+    let server = target.config.get_ports().first().copied().unwrap_or(5432);
+    Ok((token, number(row, 3).map(|client| (client, server))))
 }
 
 /// Who holds `name` now, without taking it.
@@ -584,6 +593,7 @@ fn watch(
     target: &PostgresTarget,
     request: &LockRequest<'_>,
     fencing_token: u64,
+    asked: (Deadline, Option<(u16, u16)>),
 ) -> PostgresLock {
     let key = lock_key(request.name);
     let farewell = SessionFarewell {
@@ -607,7 +617,13 @@ fn watch(
     PostgresLock {
         pid: session.pid,
         target: Box::new(target.clone()),
-        session: SessionLock::spawn(watcher, session.client, farewell, Some(fencing_token)),
+        session: SessionLock::spawn(
+            watcher,
+            session.client,
+            farewell,
+            Some(fencing_token),
+            asked,
+        ),
     }
 }
 
@@ -836,11 +852,12 @@ pub async fn last_claim(
 }
 
 /// The query that proves ownership: the sleep first (a function scan), then the lock test, so the
-/// answer says the lock was still this backend's when the sleep ended. The comment names the guard
-/// in `pg_stat_activity`.
+/// answer says the lock was still this backend's when the sleep ended, and that the server is still
+/// a primary (not in recovery). The comment names the guard in `pg_stat_activity`.
 fn check_sql(request: &LockRequest<'_>, key: i64) -> String {
     format!(
-        "SELECT pg_backend_pid(), {held} FROM pg_sleep({sleep:.3}) /* sentinel-guard {holder} */",
+        "SELECT pg_backend_pid(), {held}, pg_is_in_recovery() FROM pg_sleep({sleep:.3}) \
+         /* sentinel-guard {holder} */",
         held = held_here(key),
         sleep = request.timings.check_interval.as_secs_f64(),
         holder = request.holder,
@@ -875,6 +892,9 @@ impl SessionWatcher for Watcher {
 
     fn verdict(&self, answer: CheckResult) -> Verdict {
         match answer {
+            Ok(rows) if rows.first().is_some_and(|row| is_true(row, 2)) => Verdict::Demoted(
+                "pg_is_in_recovery() is true: the server is no longer a primary".to_owned(),
+            ),
             Ok(rows)
                 if rows
                     .first()

@@ -937,8 +937,12 @@ struct ScriptFailure {
 }
 
 enum Renewal {
-    Confirmed { sent: Deadline },
+    Confirmed {
+        sent: Deadline,
+    },
     NotOwner,
+    /// The server answered `ROLE` as a replica: demoted in place.
+    Demoted(String),
     Failed(String),
 }
 
@@ -978,6 +982,13 @@ impl Lease {
                     });
                     return Ok(());
                 }
+                Step::Renewed(Renewal::Demoted(detail)) => {
+                    ends.report(LockLoss {
+                        reason: LossReason::PrimaryDemoted,
+                        detail,
+                    });
+                    return Ok(());
+                }
                 Step::Renewed(Renewal::Failed(error)) => {
                     let left = self.valid_until.remaining();
                     warn!(event = "renewal_failed", error = %error, lease_left = %humantime::format_duration(round(left)), "redis lease renewal failed; retrying");
@@ -1000,6 +1011,11 @@ impl Lease {
 
     async fn renew_at(&mut self, at: Deadline) -> Renewal {
         deadline::sleep_until(at).await;
+        if let Some(role) = self.demoted().await {
+            return Renewal::Demoted(format!(
+                "the server now answers ROLE as {role}: it was demoted from primary while holding the lock"
+            ));
+        }
         let sent = Deadline::now();
         let renew = Script::new(RENEW);
         let mut invocation = renew.key(&self.keys.lock);
@@ -1025,6 +1041,27 @@ impl Lease {
             Ok(1) => Renewal::Confirmed { sent },
             Ok(_) => Renewal::NotOwner,
             Err(failure) => Renewal::Failed(failure.message),
+        }
+    }
+
+    /// The role of a single server reached on a kept connection, if it is no longer the primary.
+    /// A replica configured with `replica-read-only no` would go on accepting the renewals while
+    /// the new primary's copy of the key runs out. (Sentinel connections are checked against the
+    /// sentinels and `ROLE` when they are made; Cluster nodes answer `MOVED`.) Without an answer
+    /// the renewal itself finds out what is wrong.
+    async fn demoted(&mut self) -> Option<&'static str> {
+        let Some(Conn::Node(conn)) = self.conn.as_mut() else {
+            return None;
+        };
+        let role = timeout(
+            self.timings.check_timeout,
+            redis::cmd("ROLE").query_async::<Role>(conn),
+        )
+        .await;
+        match role {
+            Ok(Ok(Role::Primary { .. })) | Ok(Err(_)) | Err(_) => None,
+            Ok(Ok(Role::Replica { .. })) => Some("a replica"),
+            Ok(Ok(_)) => Some("something other than a primary"),
         }
     }
 

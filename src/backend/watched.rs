@@ -3,6 +3,7 @@
 //! session backends (MySQL, PostgreSQL) also share the task itself (`SessionWatcher`).
 
 use std::future::Future;
+use std::os::fd::{AsFd, OwnedFd};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -129,6 +130,9 @@ impl CheckTiming {
 pub enum Verdict {
     Owned,
     NotOwner(String),
+    /// The server is no longer a writable primary (demoted in place by a switchover): its lock says
+    /// nothing any more, since the new primary grants the name to anyone.
+    Demoted(String),
     /// The session is gone: the server ended it, or the socket closed.
     Closed(String),
     Failed(String),
@@ -197,6 +201,7 @@ fn judge(timing: &CheckTiming, verdict: Verdict, sent: Deadline) -> Check {
         ),
         Verdict::Owned => Check::Owned,
         Verdict::NotOwner(detail) => lost(LossReason::NotOwner, detail),
+        Verdict::Demoted(detail) => lost(LossReason::PrimaryDemoted, detail),
         Verdict::Closed(detail) => lost(LossReason::ConnectionClosed, detail),
         Verdict::Failed(detail) => lost(LossReason::CheckFailed, detail),
         Verdict::NoAnswer => lost(
@@ -318,23 +323,39 @@ pub struct SessionLock {
     /// Tells the watcher a release will follow (see `release_coming`).
     release_coming: Arc<Notify>,
     farewell: Vec<u8>,
+    /// A copy of the session's socket, which the watchdog keeps until the app's group is gone
+    /// (`session_socket`); none where it could not be found.
+    socket: Option<OwnedFd>,
     fencing_token: Option<u64>,
 }
 
 impl SessionLock {
+    /// `asked` is when the statement that was granted the lock was sent, plus the longest it may
+    /// have waited on the server for the lock: the server may count the session idle from any
+    /// moment after the send, so the first deadline is counted from it, as a check's is from the
+    /// check's send plus its sleep, and not from now (a guard frozen between the grant and this line
+    /// must not start its app on a full grace period). The session timeout covers that wait
+    /// (`Timings::session_timeout_secs`). `ports` are the session's client port, as the server reports it, and the
+    /// server's port: they find the socket the watchdog keeps a copy of.
     pub fn spawn<W: SessionWatcher>(
         watcher: W,
         conn: W::Conn,
         farewell: Vec<u8>,
         fencing_token: Option<u64>,
+        (asked, ports): (Deadline, Option<(u16, u16)>),
     ) -> SessionLock {
-        let dead_by = Deadline::after(watcher.timing().budget + watcher.timing().grace);
+        let socket = ports.and_then(|(client, server)| super::session_socket::copy(client, server));
+        if socket.is_none() {
+            debug!("no copy of the session's socket for the watchdog; the server's own detection frees the lock of a dead guard");
+        }
+        let dead_by = asked + watcher.timing().budget + watcher.timing().grace;
         let release_coming = Arc::new(Notify::new());
         let coming = release_coming.clone();
         SessionLock {
             watched: WatchedLock::spawn(dead_by, |ends| watch_session(watcher, conn, ends, coming)),
             release_coming,
             farewell,
+            socket,
             fencing_token,
         }
     }
@@ -342,7 +363,7 @@ impl SessionLock {
     pub fn farewell(&self) -> Farewell<'_> {
         Farewell {
             message: self.farewell.clone(),
-            keep: None,
+            keep: self.socket.as_ref().map(AsFd::as_fd),
         }
     }
 

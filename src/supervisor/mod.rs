@@ -89,11 +89,23 @@ impl Supervisor {
         let mut watchdog =
             Watchdog::spawn(stop, &env.set, env.remove, farewell).map_err(StartError::Watchdog)?;
         reaper.track_watchdog(watchdog.pid());
-        let app = match spawn::spawn(command, env, watchdog.app_link()) {
+        // The deadline goes first, before the app is forked: a guard frozen from here on is already
+        // backed by the watchdog, which acts on a passed deadline whatever else it has heard.
+        if let Some(dead_by) = dead_by {
+            watchdog.send(Message::LockDeadline(dead_by));
+        }
+        let not_after = dead_by.unwrap_or(Deadline::NEVER);
+        let app = match spawn::spawn(command, env, watchdog.app_link(), not_after) {
             Ok(app) => app,
             Err(not_started) => {
                 let error = match not_started {
                     NotStarted::Command(e) => StartError::Spawn(e),
+                    NotStarted::DeadlinePassed => StartError::DeadlinePassed,
+                    // A watchdog that acted on the passed deadline before the app's process could
+                    // tell it its group: the same refusal, seen from the other side.
+                    NotStarted::WatchdogGone if not_after.has_passed() => {
+                        StartError::DeadlinePassed
+                    }
                     NotStarted::WatchdogGone => StartError::Watchdog(watchdog.exec_error()),
                 };
                 // A command whose exec failed had told the watchdog its group, and std has reaped
@@ -106,11 +118,6 @@ impl Supervisor {
                 return Err(error);
             }
         };
-        // The deadline goes first, before anything else the guard does: a guard frozen from here
-        // on is already backed by the watchdog.
-        if let Some(dead_by) = dead_by {
-            watchdog.send(Message::LockDeadline(dead_by));
-        }
         watchdog.app_started();
         reaper.track_app(app);
         info!(
@@ -145,7 +152,8 @@ impl Supervisor {
     /// Resolves when the app's main process ends or the watchdog does. Cancel-safe.
     pub async fn next_event(&mut self) -> Event {
         loop {
-            self.reaper.reap();
+            // Unreadable children change nothing here: the app's own exit is read by its pid.
+            let _ = self.reaper.reap();
             if self.watchdog.jammed() && !self.watchdog_reported {
                 self.watchdog_reported = true;
                 return Event::WatchdogEnded { acted: false };
@@ -185,7 +193,7 @@ impl Supervisor {
     /// on until the app's exit is seen.
     pub fn kill_all(&mut self) {
         signal_app(self.app, Signal::SIGKILL);
-        for pid in self.reaper.reap() {
+        for pid in self.reaper.reap().unwrap_or_default() {
             let _ = kill(pid, Signal::SIGKILL);
         }
     }
@@ -218,7 +226,7 @@ impl Supervisor {
 async fn await_watchdog(reaper: &mut reaper::Reaper, watchdog: &Watchdog) -> bool {
     let until = Deadline::after(WATCHDOG_EXIT_WAIT);
     loop {
-        reaper.reap();
+        let _ = reaper.reap();
         if let Some(status) = reaper.watchdog_status() {
             return watchdog::acted(status);
         }
@@ -249,9 +257,22 @@ async fn teardown(
     let mut signalled: HashSet<Pid> = HashSet::new();
     let mut kill_timer = AsyncBootTimer::new(kill_by).ok();
     let mut logged = false;
+    let mut unreadable_logged = false;
     loop {
-        let left = reaper.reap();
-        if reaper.app_status().is_some() && left.is_empty() {
+        let (left, known) = match reaper.reap() {
+            Ok(left) => (left, true),
+            // Fail closed: with the children unknown, the tree is not gone. The group is signalled
+            // again and the children read again on the next tick.
+            Err(e) => {
+                signal_app(app, current);
+                if !unreadable_logged {
+                    unreadable_logged = true;
+                    warn!(event = "children_unreadable", error = %e, "cannot read the guard's children from /proc; the lock stays held until they can be read");
+                }
+                (Vec::new(), false)
+            }
+        };
+        if known && reaper.app_status().is_some() && left.is_empty() {
             return TreeGone(());
         }
         // Processes that left the app's group, and orphans handed to the guard: each gets the
@@ -313,6 +334,9 @@ pub enum StartError {
     /// The watchdog could not be started, so the app was not.
     #[error("cannot start the watchdog: {0}")]
     Watchdog(std::io::Error),
+    /// The lock's deadline passed before the command could run (the guard was frozen on the way).
+    #[error("the lock's deadline passed before the command could run")]
+    DeadlinePassed,
 }
 
 impl std::fmt::Debug for TreeGone {

@@ -52,8 +52,9 @@ impl Reaper {
 
     /// Reaps every child that has ended but the app, notes whether the app has ended, and returns the
     /// children still alive other than the app and the watchdog: what is left of the app's tree
-    /// besides the app itself.
-    pub fn reap(&mut self) -> Vec<Pid> {
+    /// besides the app itself. An error when the guard's children cannot be read: what is left is
+    /// then unknown, which is never "nothing".
+    pub fn reap(&mut self) -> io::Result<Vec<Pid>> {
         // The app first: its children are handed to the guard in the same step that makes it a
         // zombie, so once it is seen ended, the children list read next already holds them. The
         // other order could see the app ended but not yet its children, and call the tree gone.
@@ -61,7 +62,7 @@ impl Reaper {
             self.app_status = peek(app);
         }
         let mut alive = Vec::new();
-        for child in tree::children() {
+        for child in tree::children()? {
             if Some(child) == self.app {
                 continue;
             }
@@ -77,7 +78,7 @@ impl Reaper {
                 None => alive.push(child),
             }
         }
-        alive
+        Ok(alive)
     }
 
     /// Reaps the app's main process, which must have ended: the last step of a teardown.

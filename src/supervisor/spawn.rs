@@ -15,6 +15,7 @@ use nix::unistd::{getpgrp, getpid, getppid, isatty, setpgid, tcgetpgrp, tcsetpgr
 use thiserror::Error;
 
 use super::watchdog::{AppLink, Message};
+use crate::deadline::Deadline;
 
 #[derive(Debug, Error)]
 pub enum SpawnError {
@@ -30,11 +31,17 @@ pub enum NotStarted {
     /// The watchdog could not be executed, or ended before the app's process could tell it its
     /// group.
     WatchdogGone,
+    /// The lock's deadline had passed when the app's process was about to run the command (the guard
+    /// was frozen between its last proof and the fork): the lock may be someone else's by now.
+    DeadlinePassed,
 }
 
 /// The errno the app's process reports a failed link to the watchdog with. The command's own exec
 /// never fails with it (no pipe is written there), so it tells the two apart.
 const LINK_FAILED: i32 = libc::EPIPE;
+/// The errno the app's process refuses the command with once the lock's deadline has passed; the
+/// command's own exec never fails with it either.
+const DEADLINE_PASSED: i32 = libc::ETIME;
 
 /// The descriptor limits the guard started with, before `raise_descriptor_limit`: the app gets them
 /// back, so an app built for the usual 1024 (`select`, say) sees what it would without the guard.
@@ -60,12 +67,17 @@ pub struct AppEnv<'a> {
 }
 
 /// Spawns the app and returns its pid, which is also its process group id. Before it executes the
-/// command, the app's process waits until the watchdog runs and writes its group down the
-/// watchdog's pipe.
+/// command, the app's process waits until the watchdog runs, writes its group down the watchdog's
+/// pipe, and reads the boot clock itself: past `dead_by` it does not run the command at all.
 ///
 /// Must run on the thread that lives as long as the guard: `PR_SET_PDEATHSIG` fires when the
 /// spawning *thread* exits, not the process.
-pub fn spawn(command: &[OsString], env: &AppEnv<'_>, watchdog: AppLink) -> Result<Pid, NotStarted> {
+pub fn spawn(
+    command: &[OsString],
+    env: &AppEnv<'_>,
+    watchdog: AppLink,
+    dead_by: Deadline,
+) -> Result<Pid, NotStarted> {
     let (program, args) = command.split_first().expect("clap requires a command");
     let mut cmd = Command::new(program);
     cmd.args(args);
@@ -85,13 +97,14 @@ pub fn spawn(command: &[OsString], env: &AppEnv<'_>, watchdog: AppLink) -> Resul
             if let Some((soft, hard)) = nofile {
                 setrlimit(Resource::RLIMIT_NOFILE, soft, hard)?;
             }
-            prepare_child(guard_pid, take_foreground, watchdog)
+            prepare_child(guard_pid, take_foreground, watchdog, dead_by)
         });
     }
     let describe = || program.to_string_lossy().into_owned();
     match cmd.spawn() {
         Ok(child) => Ok(Pid::from_raw(child.id() as i32)),
         Err(e) if e.raw_os_error() == Some(LINK_FAILED) => Err(NotStarted::WatchdogGone),
+        Err(e) if e.raw_os_error() == Some(DEADLINE_PASSED) => Err(NotStarted::DeadlinePassed),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             Err(NotStarted::Command(SpawnError::NotFound {
                 command: describe(),
@@ -112,7 +125,12 @@ fn owns_terminal_foreground() -> bool {
     isatty(stdin).unwrap_or(false) && tcgetpgrp(stdin).ok() == Some(getpgrp())
 }
 
-fn prepare_child(guard_pid: Pid, take_foreground: bool, watchdog: AppLink) -> io::Result<()> {
+fn prepare_child(
+    guard_pid: Pid,
+    take_foreground: bool,
+    watchdog: AppLink,
+    dead_by: Deadline,
+) -> io::Result<()> {
     // Its own group, so one signal reaches the app and everything it forks.
     setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
     prctl::set_pdeathsig(Signal::SIGKILL)?;
@@ -124,6 +142,13 @@ fn prepare_child(guard_pid: Pid, take_foreground: bool, watchdog: AppLink) -> io
         await_watchdog_exec(watchdog.exec_status).and_then(|()| tell_watchdog(watchdog.pipe));
     if linked.is_err() {
         return Err(io::Error::from_raw_os_error(LINK_FAILED));
+    }
+    // Read after the watchdog knows the group: a watchdog that finds the same deadline passed either
+    // read the group in time and kills this process, or exited before it, and then the clock read
+    // here, later still, has passed the deadline too. (The watchdog's deadline is never earlier
+    // than this one: it only moves later as proofs come.)
+    if dead_by.has_passed() {
+        return Err(io::Error::from_raw_os_error(DEADLINE_PASSED));
     }
     if take_foreground {
         // Take the terminal's foreground so Ctrl-C reaches the app. From a background group that

@@ -6,6 +6,7 @@
 //! list tells without walking every process on the host.
 
 use std::fs;
+use std::io;
 
 use nix::unistd::{getpid, Pid};
 
@@ -33,22 +34,21 @@ fn read_entry(pid: i32) -> Option<Entry> {
     parse_stat(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
 }
 
-/// Every process on the host, as far as /proc can be read.
-fn all_processes() -> impl Iterator<Item = (i32, Entry)> {
-    fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
+/// Every process on the host. A /proc that cannot be listed (no descriptor left, unmounted) is an
+/// error, never "no process": the callers would take that for a tree that is gone.
+fn all_processes() -> io::Result<impl Iterator<Item = (i32, Entry)>> {
+    Ok(fs::read_dir("/proc")?
         .flatten()
         .filter_map(|entry| entry.file_name().to_str()?.parse().ok())
-        .filter_map(|pid| Some((pid, read_entry(pid)?)))
+        .filter_map(|pid| Some((pid, read_entry(pid)?))))
 }
 
 /// The live (not zombie) processes in the process group `pgid`.
-pub fn live_group_members(pgid: Pid) -> Vec<Pid> {
-    all_processes()
+pub fn live_group_members(pgid: Pid) -> io::Result<Vec<Pid>> {
+    Ok(all_processes()?
         .filter(|(_, entry)| entry.pgid == pgid.as_raw() && !entry.zombie)
         .map(|(pid, _)| Pid::from_raw(pid))
-        .collect()
+        .collect())
 }
 
 /// Whether /proc shows this process's own PID namespace. A guard started in a new namespace without
@@ -63,33 +63,36 @@ pub fn proc_is_ours() -> bool {
 
 /// The guard's direct children, zombies included, from each of its threads' children lists (a
 /// process orphaned below the guard is handed to one of its threads). Where the kernel has no such
-/// lists, one walk of /proc finds them by parent.
-pub fn children() -> Vec<Pid> {
+/// lists, one walk of /proc finds them by parent. A list that cannot be read is an error, not an
+/// empty list: a thread that has exited has none to read, but anything else means the children are
+/// unknown.
+pub fn children() -> io::Result<Vec<Pid>> {
     let mut found = Vec::new();
     let mut listed = false;
-    for task in fs::read_dir("/proc/self/task")
-        .into_iter()
-        .flatten()
-        .flatten()
-    {
-        if let Ok(list) = fs::read_to_string(task.path().join("children")) {
-            listed = true;
-            found.extend(
-                list.split_whitespace()
-                    .filter_map(|pid| pid.parse().ok())
-                    .map(Pid::from_raw),
-            );
+    for task in fs::read_dir("/proc/self/task")?.flatten() {
+        match fs::read_to_string(task.path().join("children")) {
+            Ok(list) => {
+                listed = true;
+                found.extend(
+                    list.split_whitespace()
+                        .filter_map(|pid| pid.parse().ok())
+                        .map(Pid::from_raw),
+                );
+            }
+            // The thread ended, or the kernel keeps no children lists.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
         }
     }
     if !listed {
         let me = getpid().as_raw();
         found.extend(
-            all_processes()
+            all_processes()?
                 .filter(|(_, entry)| entry.ppid == me)
                 .map(|(pid, _)| Pid::from_raw(pid)),
         );
     }
-    found
+    Ok(found)
 }
 
 #[cfg(test)]
@@ -114,9 +117,9 @@ mod tests {
             .spawn()
             .unwrap();
         let pid = Pid::from_raw(child.id() as i32);
-        assert!(children().contains(&pid));
+        assert!(children().unwrap().contains(&pid));
         child.kill().unwrap();
         child.wait().unwrap();
-        assert!(!children().contains(&pid));
+        assert!(!children().unwrap().contains(&pid));
     }
 }

@@ -545,6 +545,9 @@ pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
         // SAFETY: SIG_IGN installs no handler code. Real-time signals have no nix name, hence libc.
         unsafe { libc::signal(number, libc::SIG_IGN) };
     }
+    // The farewell message it is about to read may carry the lock's credential: no process of the
+    // same user may read the watchdog's memory (exec made it dumpable again).
+    let _ = nix::sys::prctl::set_dumpable(false);
     // SAFETY: fd 3 was handed over by the guard and is owned by this process alone.
     let mut pipe = File::from(unsafe { OwnedFd::from_raw_fd(MESSAGE_FD) });
     let mut log = Log {
@@ -634,6 +637,7 @@ fn watch(
                 );
             }
             Action::Kill => {
+                learn_group(pipe, log);
                 signal_group(log.group, Signal::SIGKILL);
                 log.on();
                 error!(
@@ -692,6 +696,26 @@ fn watch(
     }
 }
 
+/// Reads, without waiting, what is already in the pipe until the app's group is known: a deadline
+/// that passed before the group was read still reaches an app's process that has said which it is.
+/// One that has not yet said it finds the pipe closed once the watchdog exits, or the deadline passed
+/// on its own clock, and does not run the command.
+fn learn_group(pipe: &mut File, log: &mut Log) {
+    while log.group.is_none() {
+        let mut fds = [PollFd::new(pipe.as_fd(), PollFlags::POLLIN)];
+        if !matches!(poll(&mut fds, PollTimeout::ZERO), Ok(n) if n > 0) {
+            return;
+        }
+        let mut bytes = [0u8; MESSAGE_LEN];
+        if pipe.read_exact(&mut bytes).is_err() {
+            return;
+        }
+        if let Some(Message::AppGroup(group)) = Message::decode(bytes) {
+            log.group = Some(group);
+        }
+    }
+}
+
 /// Signals the app's group, once its process has said which it is. Before that there is no app to
 /// signal (deadlines only follow the group down the pipe), and no other group may be hit.
 fn signal_group(group: Option<Pid>, signal: Signal) {
@@ -720,11 +744,22 @@ fn guard_gone(kept: Option<OwnedFd>, message: &[u8], farewell: FarewellRunner, l
     // Until the group is empty the lock must stay taken, however long a process takes to die.
     let waiting_since = Deadline::now();
     let mut warned = false;
+    let mut unreadable = false;
     while let Some(group) = group {
-        let members = super::tree::live_group_members(group);
-        if members.is_empty() {
-            break;
-        }
+        let members = match super::tree::live_group_members(group) {
+            Ok(members) if members.is_empty() => break,
+            Ok(members) => members,
+            // Unknown is never "gone": the lock stays taken, and /proc is read again shortly.
+            Err(e) => {
+                if !unreadable {
+                    unreadable = true;
+                    log.on();
+                    warn!(event = "watchdog_proc_unreadable", error = %e, "cannot read /proc to see whether the app's processes are gone; the lock stays held");
+                }
+                std::thread::sleep(GROUP_GONE_RECHECK);
+                continue;
+            }
+        };
         if !warned && waiting_since.elapsed() >= GROUP_GONE_WARN {
             warned = true;
             log.on();

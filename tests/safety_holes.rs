@@ -1,0 +1,268 @@
+//! Ways two copies ran, or the contract around them broke, found from outside: each reproduced
+//! against real servers and processes, and each closed.
+
+mod common;
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::process::Command;
+use std::time::Duration;
+
+use common::mariadb::{MariaDb, PASSWORD};
+use common::redis::Redis;
+use common::*;
+
+/// A uid no other test uses: the guard and its app run as it, unprivileged.
+const READER_UID: u32 = 64_931;
+
+/// A switchover that demotes the old primary in place (`read_only=ON`) and points clients at a new
+/// one: the old guard must stop its app, with a reason of its own, before a guard on the new primary
+/// may start one. The new guard waits a takeover delay that covers the old one's detection bound and
+/// stop, as the docs tell an operator to; before this was fixed the old app ran for ever.
+#[test]
+fn a_primary_demoted_in_place_stops_its_app_before_the_new_primarys_guard_starts_one() {
+    let old = MariaDb::start();
+    let new = MariaDb::start();
+    let mut lab = Lab::new();
+    let trace = lab.path("trace");
+    let (old_pid, new_pid) = (lab.path("old.pid"), lab.path("new.pid"));
+    let old_url = old.url();
+    let mut leader = lab.spawn(
+        &lock_args(&old_url, "switchover", &[]),
+        &as_strs(&recording_app(&trace, &old_pid)),
+    );
+    let old_app = read_pid(&old_pid, Duration::from_secs(10));
+
+    old.sql("SET GLOBAL read_only = 1");
+    let new_url = new.url();
+    let mut standby = lab.spawn(
+        &lock_args(&new_url, "switchover", &["--takeover-delay", "3s"]),
+        &as_strs(&recording_app(&trace, &new_pid)),
+    );
+
+    assert_eq!(
+        leader.code(Duration::from_secs(10)),
+        75,
+        "{}",
+        leader.log_text()
+    );
+    assert!(!alive(old_app));
+    let log = leader.log_text();
+    assert_eq!(procs::lock_lost_reasons(&log), ["primary_demoted"], "{log}");
+    read_pid(&new_pid, Duration::from_secs(10));
+    assert_eq!(assert_no_overlap(&trace), 2);
+    standby.signal(15);
+    assert_eq!(standby.code(Duration::from_secs(10)), 0);
+}
+
+/// A server that is read-only from the start is still refused before anything runs.
+#[test]
+fn a_read_only_server_is_refused_at_start() {
+    let db = MariaDb::start();
+    db.sql("SET GLOBAL read_only = 1");
+    let mut lab = Lab::new();
+    let (code, log) = lab.run(
+        &lock_args(&db.url(), "ro", &[]),
+        &["true"],
+        Duration::from_secs(10),
+    );
+    assert_eq!(code, 69, "{log}");
+    assert!(log.contains("read_only"), "{log}");
+}
+
+/// A Redis primary turned into a replica that still accepts writes (`replica-read-only no`): its
+/// renewals would go on succeeding while the new primary's copy of the lease runs out.
+#[test]
+fn a_redis_primary_demoted_to_a_writable_replica_is_a_lost_lock() {
+    let old = Redis::start();
+    let new = Redis::start();
+    let mut lab = Lab::new();
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let url = old.url();
+    let mut args = vec!["--url", url.as_str(), "--name", "demoted"];
+    args.extend_from_slice(REDIS_LEASE);
+    let mut leader = lab.spawn(&args, &as_strs(&recording_app(&trace, &pidfile)));
+    let app = read_pid(&pidfile, Duration::from_secs(10));
+
+    old.cli(&["CONFIG", "SET", "replica-read-only", "no"]);
+    let port = new.url().rsplit(':').next().unwrap().to_owned();
+    old.cli(&["REPLICAOF", "127.0.0.1", &port]);
+
+    assert_eq!(
+        leader.code(Duration::from_secs(10)),
+        75,
+        "{}",
+        leader.log_text()
+    );
+    assert!(!alive(app));
+    let log = leader.log_text();
+    assert_eq!(procs::lock_lost_reasons(&log), ["primary_demoted"], "{log}");
+}
+
+/// The app, running as the guard's own unprivileged user, reads the guard's environment and command
+/// line: the password is in neither, whether it came in `SENTINEL_GUARD_URL` or in `--url`.
+#[test]
+fn the_app_finds_no_password_in_its_guards_proc_files() {
+    let db = MariaDb::start();
+    let mut lab = Lab::new();
+    fs::set_permissions(lab.dir.path(), fs::Permissions::from_mode(0o777)).unwrap();
+    let url = db.url();
+    assert!(url.contains(PASSWORD));
+    let uid = READER_UID.to_string();
+    let setpriv = [
+        "--reuid",
+        uid.as_str(),
+        "--regid",
+        uid.as_str(),
+        "--clear-groups",
+        "--",
+    ];
+    for (how, by_env) in [("env", true), ("flag", false)] {
+        let out = lab.path(&format!("proc-{how}"));
+        let script = format!(
+            "cat /proc/$PPID/environ /proc/$PPID/cmdline > {out} 2>&1; \
+             echo read=$? >> {out}",
+            out = out.display()
+        );
+        let app = ["sh", "-c", script.as_str()];
+        let cmd = if by_env {
+            let mut cmd = lab.command(&["--name", "creds", "--check-interval", "200ms"], &app);
+            cmd.env("SENTINEL_GUARD_URL", &url);
+            cmd
+        } else {
+            lab.command(&lock_args(&url, "creds", &[]), &app)
+        };
+        let mut guard = lab.start(launched_by(&cmd, "setpriv", &setpriv));
+        assert_eq!(
+            guard.code(Duration::from_secs(15)),
+            0,
+            "{}",
+            guard.log_text()
+        );
+        let seen = String::from_utf8_lossy(&fs::read(&out).unwrap()).into_owned();
+        assert!(
+            seen.contains("read="),
+            "{how}: the app did not run: {seen:?}"
+        );
+        assert!(
+            !seen.contains(PASSWORD),
+            "{how}: the password leaked: {seen:?}"
+        );
+        // The command line is still there, with the value blanked.
+        assert!(seen.contains("creds"), "{how}: {seen:?}");
+    }
+}
+
+/// A FIFO named as the lock file is refused without being opened: a reader blocked on it stays
+/// blocked, for the guard and for `status` alike. Had either opened it, the reader would have woken
+/// to an end of file and read nothing; it reads the byte this test writes afterwards instead.
+#[test]
+fn a_fifo_as_lock_file_is_refused_unopened() {
+    let mut lab = Lab::new();
+    let fifo = lab.path("lock.fifo");
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    let got = lab.path("reader-got");
+    let mut reader = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "exec head -c 1 {} > {}",
+            fifo.display(),
+            got.display()
+        ))
+        .spawn()
+        .unwrap();
+    // Blocked in open(2) until a writer comes.
+    assert!(wait_until(Duration::from_secs(5), || procs::argv(
+        reader.id() as i32
+    )
+    .first()
+    .is_some_and(|a| a == "head")));
+
+    let url = lab.file_url("lock.fifo");
+    let (code, log) = lab.run(
+        &["--url", &url, "--name", "fifo"],
+        &["true"],
+        Duration::from_secs(10),
+    );
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains("FIFO"), "{log}");
+    let status = Command::new(GUARD)
+        .args(["status", "--url", &url, "--name", "fifo"])
+        .output()
+        .unwrap();
+    assert_eq!(status.status.code(), Some(2), "{status:?}");
+
+    // Succeeds only while a reader has the FIFO open (or waits in open): it was not woken.
+    let mut writer = fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(nix::libc::O_NONBLOCK)
+        .open(&fifo)
+        .expect("the reader is still there");
+    writer.write_all(b"Z").unwrap();
+    drop(writer);
+    assert!(exit_within(&mut reader, Duration::from_secs(5)).is_some());
+    assert_eq!(fs::read(&got).unwrap(), b"Z", "the reader was woken before");
+}
+
+/// A guard SIGKILLed while a process of its app cannot die yet (here frozen by the cgroup freezer,
+/// as one stuck in uninterruptible sleep would be): the session's socket stays open in the watchdog,
+/// so the server keeps the lock until that process is gone, and only then may a standby start its
+/// app. Before, the server freed the lock as soon as the guard's own socket closed.
+fn a_dead_guards_lock_outlives_an_app_process_that_cannot_die_yet(backend: &Backend) {
+    let mut lab = Lab::new();
+    let url = backend.url();
+    let args = lock_args(&url, "stuck", &[]);
+    let (child_pid, started) = (lab.path("child.pid"), lab.path("standby-started"));
+    let script = format!(
+        "sleep 600 & echo $! > {}.tmp && mv {0}.tmp {0}; while :; do sleep 0.05; done",
+        child_pid.display()
+    );
+    let mut leader = lab.spawn(&args, &["sh", "-c", &script]);
+    let child = read_pid(&child_pid, Duration::from_secs(10));
+    let standby_app = format!("touch {}; exec sleep 600", started.display());
+    let mut standby = waiting_standby(&mut lab, &args, &["sh", "-c", &standby_app]);
+
+    let freezer = freeze::Freezer::create();
+    fs::write(freezer.dir().join("cgroup.procs"), child.to_string()).unwrap();
+    freezer.freeze();
+    leader.signal(9);
+    leader.wait(Duration::from_secs(5));
+    // A few of the standby's attempts, and of the server's chances to free the session.
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(alive(child), "the frozen process died");
+    assert!(
+        !started.exists(),
+        "the standby started its app while a process of the old app lived: {}",
+        standby.log_text()
+    );
+    freezer.thaw();
+    assert!(wait_until(Duration::from_secs(5), || !alive(child)));
+    assert!(
+        wait_until(Duration::from_secs(10), || started.exists()),
+        "the standby never took over: {}",
+        standby.log_text()
+    );
+    standby.signal(15);
+    standby.wait(Duration::from_secs(10));
+}
+
+#[test]
+fn mysql_a_dead_guards_lock_outlives_an_app_process_that_cannot_die_yet() {
+    a_dead_guards_lock_outlives_an_app_process_that_cannot_die_yet(&Backend::Mysql(
+        MariaDb::start(),
+    ));
+}
+
+#[test]
+fn postgres_a_dead_guards_lock_outlives_an_app_process_that_cannot_die_yet() {
+    a_dead_guards_lock_outlives_an_app_process_that_cannot_die_yet(&Backend::Postgres(
+        common::postgres::Postgres::start(),
+    ));
+}
+
+#[test]
+fn file_a_dead_guards_lock_outlives_an_app_process_that_cannot_die_yet() {
+    a_dead_guards_lock_outlives_an_app_process_that_cannot_die_yet(&Backend::File(Lab::new()));
+}
