@@ -92,12 +92,32 @@ fn conceal_url_args(args: &mut [u8]) {
         }
         match &arg[..] {
             b"--" => return,
-            b"--url" | b"-u" => value_next = true,
+            b"--url" => value_next = true,
             a if a.starts_with(b"--url=") => blank(&mut arg[6..]),
-            a if a.starts_with(b"-u") => blank(&mut arg[2..]),
+            a if a.starts_with(b"--") => {}
+            a if a.starts_with(b"-") => value_next = conceal_short_cluster(&mut arg[1..]),
             _ => {}
         }
     }
+}
+
+/// A cluster of short options (`-u URL`, `-uURL`, `-wu URL`, `-wuURL`): the first option that takes
+/// a value takes the rest of the cluster, or the next argument if nothing is left. Blanks the
+/// URL's value within the cluster; true when it is the next argument. (`-w` takes its value only
+/// after `=`, which ends the cluster too; `-n` takes a name.)
+fn conceal_short_cluster(cluster: &mut [u8]) -> bool {
+    for at in 0..cluster.len() {
+        match cluster[at] {
+            b'u' if at + 1 == cluster.len() => return true,
+            b'u' => {
+                blank(&mut cluster[at + 1..]);
+                return false;
+            }
+            b'n' | b'=' => return false,
+            _ => {}
+        }
+    }
+    false
 }
 
 /// Blanks the value of `SENTINEL_GUARD_URL` in the environment's strings.
@@ -121,7 +141,7 @@ mod tests {
 
     #[test]
     fn every_form_of_the_url_option_is_blanked_and_nothing_after_the_separator() {
-        let mut args = b"sentinel-guard\0--url\0mysql://u:pw@h/db\0-n\0x\0--url=redis://:pw@h\0-uX:pw\0-u\0postgres://u:pw@h\0--\0app\0--url\0keep:pw\0".to_vec();
+        let mut args = b"sentinel-guard\0--url\0mysql://u:pw@h/db\0-n\0x\0--url=redis://:pw@h\0-uX:pw\0-u\0postgres://u:pw@h\0-wu\0file:pw\0-wuY:pw\0-nunamed\0--\0app\0--url\0keep:pw\0".to_vec();
         conceal_url_args(&mut args);
         let text = String::from_utf8_lossy(&args);
         assert_eq!(text.matches("pw").count(), 1, "{text:?}");
@@ -129,6 +149,9 @@ mod tests {
         assert!(text.contains("--url\0***\0\0"), "{text:?}");
         assert!(text.contains("--url=***\0"), "{text:?}");
         assert!(text.contains("-n\0x\0"), "{text:?}");
+        assert!(text.contains("-wu\0***\0"), "{text:?}");
+        assert!(text.contains("-wu***\0"), "{text:?}");
+        assert!(text.contains("-nunamed\0"), "a name is no URL: {text:?}");
     }
 
     #[test]

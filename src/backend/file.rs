@@ -234,24 +234,7 @@ fn flock_holder(locks: &str, meta: &std::fs::Metadata) -> Option<u32> {
 /// file is created `0644`. Anything but an empty file or one of this program's own is refused before
 /// any byte is written, and anything but a regular file before it is even opened (`look`).
 fn open(path: &Path) -> Result<File, LockError> {
-    let mut file = match look(path)? {
-        Some(found) => reopen(path, &found, true)?,
-        None => OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o644)
-            .custom_flags(SAFE_OPEN)
-            .open(path)
-            .map_err(|e| match e.kind() {
-                // Made by someone else a moment ago: looked at again on the next attempt.
-                std::io::ErrorKind::AlreadyExists => LockError::Refused(format!(
-                    "{}: appeared while the guard created it; try again",
-                    path.display()
-                )),
-                _ => open_error(path, e),
-            })?,
-    };
+    let mut file = open_or_create(path)?;
     let mut head = Vec::new();
     (&mut file)
         .take(MAGIC.len() as u64)
@@ -267,6 +250,32 @@ fn open(path: &Path) -> Result<File, LockError> {
     file.seek(SeekFrom::Start(0))
         .map_err(|e| io_error(path, e))?;
     Ok(file)
+}
+
+/// The regular file at `path`, or a new one. A file made by another guard between the look and the
+/// creation (two guards started together on a new path) is looked at again.
+fn open_or_create(path: &Path) -> Result<File, LockError> {
+    for _ in 0..OPEN_ATTEMPTS {
+        if let Some(found) = look(path)? {
+            return reopen(path, &found, true);
+        }
+        let created = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .custom_flags(SAFE_OPEN)
+            .open(path);
+        match created {
+            Ok(file) => return Ok(file),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(open_error(path, e)),
+        }
+    }
+    Err(LockError::Unsafe(format!(
+        "{} keeps appearing and disappearing while the guard opens it",
+        path.display()
+    )))
 }
 
 /// Flags of every open of a lock path, on top of std's `O_CLOEXEC`: never through a symbolic link;

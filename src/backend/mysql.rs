@@ -184,6 +184,9 @@ async fn set_up<T>(
         .map_err(|e| setup_error(target, e))
 }
 
+/// Not an answer `GET_LOCK` gives: stands for a grant (or a refusal) on a server that is read-only.
+const READ_ONLY_GRANT: i64 = -1;
+
 /// MySQL's "Unknown system variable": the other server family's setting.
 const ER_UNKNOWN_SYSTEM_VARIABLE: u16 = 1193;
 
@@ -211,15 +214,32 @@ pub async fn acquire(
         let budget = chunk + timings.check_timeout;
         // A text query: a prepared statement would cost a round trip more, and names are limited
         // to characters that need no quoting.
+        // With the server's role read in the same statement: a standby's session lives for as long
+        // as it waits, and a server demoted meanwhile grants the name locally while the new
+        // primary grants it to anyone.
         let got = timeout(
             budget,
-            conn.query_first::<Option<i64>, _>(format!(
-                "SELECT GET_LOCK('{name}', {:.3})",
+            conn.query_first::<(Option<i64>, Option<i64>), _>(format!(
+                "SELECT GET_LOCK('{name}', {:.3}), \
+                 CAST(@@global.read_only AS CHAR) NOT IN ('0', 'OFF')",
                 chunk.as_secs_f64()
             )),
         )
-        .await;
+        .await
+        .map(|answer| {
+            answer.map(|row| match row {
+                Some((granted, Some(0))) => Some(granted),
+                Some((_, _)) => Some(Some(READ_ONLY_GRANT)),
+                None => None,
+            })
+        });
         let error = match got {
+            // Dropping the session gives back a lock it may have been granted; reopening it finds
+            // the server refused.
+            Ok(Ok(Some(Some(READ_ONLY_GRANT)))) => LockError::Unsafe(format!(
+                "{}: @@global.read_only is ON: the server was demoted from primary while the guard waited; point --url at the primary",
+                target.url
+            )),
             // Granted, but read after a freeze: the server may have ended the silent session and
             // granted the lock elsewhere since. Dropping the connection gives it back.
             Ok(Ok(Some(Some(1)))) if sent.elapsed() > budget => LockError::Unreachable(format!(
@@ -330,7 +350,9 @@ fn refuse_unsafe(vars: Vec<(String, String)>) -> Result<(), LockError> {
         let on = matches!(upper.as_str(), "ON" | "1");
         let refuse = |why: String| Err(LockError::Unsafe(why));
         match variable.to_ascii_lowercase().as_str() {
-            "read_only" | "super_read_only" if on => {
+            // Any level but OFF refuses writes (MariaDB 11 made read_only a list of levels), as
+            // the check reads it.
+            "read_only" | "super_read_only" if !matches!(upper.as_str(), "OFF" | "0") => {
                 return refuse(format!(
                     "@@global.{variable}=ON: this is a replica or reader endpoint; point --url at the primary"
                 ))
@@ -478,10 +500,10 @@ async fn runs_our_check(
     holder_id: &str,
     limit: Duration,
 ) -> Result<bool, Option<mysql_async::Error>> {
-    let ours = format!("%holder_id={holder_id} %");
+    let ours = format!("holder_id={holder_id} ");
     let proof = conn.exec_first::<Option<i64>, _, _>(
         "SELECT IS_USED_LOCK(?) = ? AND EXISTS (SELECT 1 FROM information_schema.PROCESSLIST \
-         WHERE ID = ? AND INFO LIKE ?)",
+         WHERE ID = ? AND INSTR(INFO, ?) > 0)",
         (name, id, id, ours),
     );
     match timeout(limit, proof).await {
@@ -978,12 +1000,14 @@ impl SessionWatcher for Watcher {
                 Ok(true) => timeout(INTERRUPT_TIMEOUT, conn.query_drop(&kill))
                     .await
                     .unwrap_or(Ok(())),
+                // Not (or not yet: the proof can reach the server before the check does) the lock's
+                // session running this guard's check: no interrupt, and another look shortly.
                 Ok(false) => {
                     debug!(
                         connection_id = self.conn_id,
-                        "the id no longer names the lock's session running this guard's check; not interrupting it"
+                        "the id does not name the lock's session running this guard's check; not interrupting it"
                     );
-                    break check.await;
+                    Ok(())
                 }
                 Err(e) => e.map_or(Ok(()), Err),
             };

@@ -322,8 +322,8 @@ async fn open_session(
             let shown = kept.map_or_else(|| "unknown".to_owned(), |v| v.to_string());
             return Err(LockError::Unsafe(format!(
                 "the server keeps {} at {shown} instead of {}, so it could end the session and free \
-                 the lock before the guard stops the app ({} = check-interval + check-timeout + \
-                 grace-period + margin {}s; a pooler in between?)",
+                 the lock before the guard stops the app ({} = lock wait + check-interval + \
+                 2 x check-timeout + grace-period + margin {}s; a pooler in between?)",
                 setting.name,
                 setting.value,
                 if setting.value == 0 { "off" } else { "at least" },

@@ -256,11 +256,15 @@ async fn connect(target: &RedisTarget, limit: Duration) -> Result<Conn, RedisErr
         .set_connection_timeout(Some(limit))
         .set_response_timeout(Some(limit));
     match &target.servers {
-        RedisServers::Primary(client) => Ok(Conn::Node(
-            client
+        RedisServers::Primary(client) => {
+            let mut conn = client
                 .get_multiplexed_async_connection_with_config(&config)
-                .await?,
-        )),
+                .await?;
+            // A server demoted to a writable replica (`replica-read-only no`) would take the
+            // lease's scripts as if it were the primary.
+            require_primary(&mut conn, "the server is not a primary", String::new()).await?;
+            Ok(Conn::Node(conn))
+        }
         RedisServers::Sentinel {
             sentinels,
             group,
@@ -273,14 +277,8 @@ async fn connect(target: &RedisTarget, limit: Duration) -> Result<Conn, RedisErr
                 .get_multiplexed_async_connection_with_config(&config)
                 .await?;
             // Between the sentinels' answer and now a failover may have happened.
-            let role: Role = redis::cmd("ROLE").query_async(&mut conn).await?;
-            if !matches!(role, Role::Primary { .. }) {
-                return Err(RedisError::from((
-                    ErrorKind::Server(ServerErrorKind::ReadOnly),
-                    "the node the sentinels named is not a primary",
-                    shown,
-                )));
-            }
+            let named = "the node the sentinels named is not a primary";
+            require_primary(&mut conn, named, shown.clone()).await?;
             debug!(event = "redis_primary", group = %group, primary = %shown, "sentinels named the primary");
             Ok(Conn::Primary {
                 conn,
@@ -337,6 +335,23 @@ async fn named_primary(
         .arg(group)
         .query_async(sentinel)
         .await
+}
+
+/// `ROLE` on a new connection: anything but a primary is refused as a read-only server.
+async fn require_primary(
+    conn: &mut MultiplexedConnection,
+    why: &'static str,
+    detail: String,
+) -> Result<(), RedisError> {
+    let role: Role = redis::cmd("ROLE").query_async(conn).await?;
+    if matches!(role, Role::Primary { .. }) {
+        return Ok(());
+    }
+    Err(RedisError::from((
+        ErrorKind::Server(ServerErrorKind::ReadOnly),
+        why,
+        detail,
+    )))
 }
 
 /// Drops a kept connection to a node the sentinels no longer name as the primary. A demoted primary
@@ -1011,12 +1026,14 @@ impl Lease {
 
     async fn renew_at(&mut self, at: Deadline) -> Renewal {
         deadline::sleep_until(at).await;
+        // Sent before the role is asked, so the time it takes counts against the renewal's budget
+        // and the lease is counted from no later than the question.
+        let sent = Deadline::now();
         if let Some(role) = self.demoted().await {
             return Renewal::Demoted(format!(
                 "the server now answers ROLE as {role}: it was demoted from primary while holding the lock"
             ));
         }
-        let sent = Deadline::now();
         let renew = Script::new(RENEW);
         let mut invocation = renew.key(&self.keys.lock);
         invocation.arg(&self.token).arg(millis(self.timings.ttl));
@@ -1044,22 +1061,30 @@ impl Lease {
         }
     }
 
-    /// The role of a single server reached on a kept connection, if it is no longer the primary.
-    /// A replica configured with `replica-read-only no` would go on accepting the renewals while
-    /// the new primary's copy of the key runs out. (Sentinel connections are checked against the
-    /// sentinels and `ROLE` when they are made; Cluster nodes answer `MOVED`.) Without an answer
+    /// The role of the server a kept connection reaches, if it is no longer the primary. A replica
+    /// configured with `replica-read-only no` would go on accepting the renewals while the new
+    /// primary's copy of the key runs out; the sentinels may not be there to say so. (New
+    /// connections check `ROLE` as they are made; Cluster nodes answer `MOVED`.) Without an answer
     /// the renewal itself finds out what is wrong.
     async fn demoted(&mut self) -> Option<&'static str> {
-        let Some(Conn::Node(conn)) = self.conn.as_mut() else {
-            return None;
+        let (conn, sentinel) = match self.conn.as_mut() {
+            Some(Conn::Node(conn)) => (conn, false),
+            Some(Conn::Primary { conn, .. }) => (conn, true),
+            _ => return None,
         };
         let role = timeout(
-            self.timings.check_timeout,
+            self.timings.check_timeout / 2,
             redis::cmd("ROLE").query_async::<Role>(conn),
         )
         .await;
         match role {
             Ok(Ok(Role::Primary { .. })) | Ok(Err(_)) | Err(_) => None,
+            // With Sentinel a demoted node is a failover to ride through: the renewal reconnects
+            // to the primary the sentinels name, and counts only where the token is still ours.
+            Ok(Ok(_)) if sentinel => {
+                self.conn = None;
+                None
+            }
             Ok(Ok(Role::Replica { .. })) => Some("a replica"),
             Ok(Ok(_)) => Some("something other than a primary"),
         }

@@ -241,9 +241,14 @@ async fn watch_session<W: SessionWatcher>(
     watcher: W,
     mut conn: W::Conn,
     mut ends: WatcherEnds,
-    release_coming: Arc<Notify>,
+    (release_coming, asked): (Arc<Notify>, Deadline),
 ) -> Result<(), LockError> {
     let timing = watcher.timing();
+    // The latest moment a question may be counted from: the server may have sent its last answer
+    // as early as the question before, and counts the session idle from then. A question sent
+    // later than the answer's budget (the runtime busy, the guard frozen) is counted from here, so
+    // a delay in asking never moves the deadline past the server's session timeout.
+    let mut proven_until = asked + timing.budget.saturating_sub(timing.sleep);
     let mut opening: Option<Opening<W::Interrupter>> = None;
     loop {
         // If this check is not answered in time, the guard stops the app within the grace period.
@@ -252,7 +257,7 @@ async fn watch_session<W: SessionWatcher>(
             return watcher.release(conn).await;
         }
         let sent = Deadline::now();
-        ends.app_dead_by(sent + timing.budget + timing.grace);
+        ends.app_dead_by(sent.min(proven_until) + timing.budget + timing.grace);
         let (check, releasing) = {
             let check = watcher.check(&mut conn);
             tokio::pin!(check);
@@ -296,7 +301,10 @@ async fn watch_session<W: SessionWatcher>(
                 .record(outcome, sent.elapsed().saturating_sub(timing.sleep));
         }
         match (check, releasing) {
-            (Check::Owned, false) => continue,
+            (Check::Owned, false) => {
+                proven_until = sent + timing.budget;
+                continue;
+            }
             // Interrupting the check can fail it; release all the same, which logs how the
             // session ended.
             (_, true) => return watcher.release(conn).await,
@@ -352,7 +360,9 @@ impl SessionLock {
         let release_coming = Arc::new(Notify::new());
         let coming = release_coming.clone();
         SessionLock {
-            watched: WatchedLock::spawn(dead_by, |ends| watch_session(watcher, conn, ends, coming)),
+            watched: WatchedLock::spawn(dead_by, |ends| {
+                watch_session(watcher, conn, ends, (coming, asked))
+            }),
             release_coming,
             farewell,
             socket,

@@ -138,11 +138,14 @@ fn prepare_child(
     if getppid() != guard_pid {
         let _ = raise(Signal::SIGKILL);
     }
-    let linked =
-        await_watchdog_exec(watchdog.exec_status).and_then(|()| tell_watchdog(watchdog.pipe));
-    if linked.is_err() {
-        return Err(io::Error::from_raw_os_error(LINK_FAILED));
+    await_watchdog_exec(watchdog.exec_status)
+        .map_err(|_| io::Error::from_raw_os_error(LINK_FAILED))?;
+    // Passed already: the watchdog is not told a group whose process will not run the command
+    // (std reaps it, and the number is free for another process).
+    if dead_by.has_passed() {
+        return Err(io::Error::from_raw_os_error(DEADLINE_PASSED));
     }
+    tell_watchdog(watchdog.pipe).map_err(|_| io::Error::from_raw_os_error(LINK_FAILED))?;
     // Read after the watchdog knows the group: a watchdog that finds the same deadline passed either
     // read the group in time and kills this process, or exited before it, and then the clock read
     // here, later still, has passed the deadline too. (The watchdog's deadline is never earlier

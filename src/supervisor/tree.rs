@@ -8,6 +8,7 @@
 use std::fs;
 use std::io;
 
+use nix::libc;
 use nix::unistd::{getpid, Pid};
 
 struct Entry {
@@ -30,22 +31,37 @@ fn parse_stat(stat: &str) -> Option<Entry> {
     })
 }
 
-fn read_entry(pid: i32) -> Option<Entry> {
-    parse_stat(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+/// `None` for a process that is gone (or whose stat makes no sense); an error for one that cannot
+/// be read, which callers must not take for "gone".
+fn read_entry(pid: i32) -> io::Result<Option<Entry>> {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => Ok(parse_stat(&stat)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH) => {
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
 }
 
-/// Every process on the host. A /proc that cannot be listed (no descriptor left, unmounted) is an
-/// error, never "no process": the callers would take that for a tree that is gone.
-fn all_processes() -> io::Result<impl Iterator<Item = (i32, Entry)>> {
-    Ok(fs::read_dir("/proc")?
-        .flatten()
-        .filter_map(|entry| entry.file_name().to_str()?.parse().ok())
-        .filter_map(|pid| Some((pid, read_entry(pid)?))))
+/// Every process on the host. A /proc that cannot be listed or read (no descriptor left,
+/// unmounted) is an error, never "no process": the callers would take that for a tree that is gone.
+fn all_processes() -> io::Result<Vec<(i32, Entry)>> {
+    let mut found = Vec::new();
+    for entry in fs::read_dir("/proc")? {
+        let Some(pid) = entry?.file_name().to_str().and_then(|n| n.parse().ok()) else {
+            continue;
+        };
+        if let Some(read) = read_entry(pid)? {
+            found.push((pid, read));
+        }
+    }
+    Ok(found)
 }
 
 /// The live (not zombie) processes in the process group `pgid`.
 pub fn live_group_members(pgid: Pid) -> io::Result<Vec<Pid>> {
     Ok(all_processes()?
+        .into_iter()
         .filter(|(_, entry)| entry.pgid == pgid.as_raw() && !entry.zombie)
         .map(|(pid, _)| Pid::from_raw(pid))
         .collect())
@@ -88,6 +104,7 @@ pub fn children() -> io::Result<Vec<Pid>> {
         let me = getpid().as_raw();
         found.extend(
             all_processes()?
+                .into_iter()
                 .filter(|(_, entry)| entry.ppid == me)
                 .map(|(pid, _)| Pid::from_raw(pid)),
         );

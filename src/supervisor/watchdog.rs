@@ -647,7 +647,9 @@ fn watch(
                 );
                 return Ended::Acted;
             }
-            Action::Stop => {
+            // Before the app's process has said which group is its own there is nothing to stop:
+            // the message that says it is read first, and the stop signal sent then.
+            Action::Stop if log.group.is_some() => {
                 signal_group(log.group, stop_signal);
                 switch.stop_sent();
                 log.on();
@@ -659,9 +661,15 @@ fn watch(
                 );
                 continue;
             }
-            Action::Nothing => {}
+            Action::Stop | Action::Nothing => {}
         }
-        if timer.arm(switch.next_wake()).is_err() {
+        let stop_waits_for_group = switch.due(Deadline::now()) == Action::Stop;
+        let wake = if stop_waits_for_group {
+            switch.dead_by
+        } else {
+            switch.next_wake()
+        };
+        if timer.arm(wake).is_err() {
             // Re-checked at least every 10ms instead.
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -674,7 +682,10 @@ fn watch(
             Err(_) => std::thread::sleep(Duration::from_millis(10)),
         }
         let message_waiting = fds[0].any().unwrap_or(false);
-        if !message_waiting || switch.due(Deadline::now()) != Action::Nothing {
+        let due = switch.due(Deadline::now());
+        if !message_waiting
+            || !(due == Action::Nothing || stop_waits_for_group && due == Action::Stop)
+        {
             continue;
         }
         let mut bytes = [0u8; MESSAGE_LEN];
