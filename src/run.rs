@@ -763,9 +763,10 @@ impl Guard<'_> {
                 return match e {
                     StartError::Spawn(SpawnError::NotFound { .. }) => Outcome::NotFound,
                     StartError::Spawn(SpawnError::NotExecutable { .. }) => Outcome::NotExecutable,
-                    StartError::Setup(_) | StartError::Watchdog(_) | StartError::DeadlinePassed => {
-                        Outcome::Internal
-                    }
+                    StartError::Setup(_)
+                    | StartError::Watchdog(_)
+                    | StartError::DeadlinePassed
+                    | StartError::CgroupJoin(_) => Outcome::Internal,
                 }
                 .into();
             }

@@ -266,3 +266,146 @@ fn postgres_a_dead_guards_lock_outlives_an_app_process_that_cannot_die_yet() {
 fn file_a_dead_guards_lock_outlives_an_app_process_that_cannot_die_yet() {
     a_dead_guards_lock_outlives_an_app_process_that_cannot_die_yet(&Backend::File(Lab::new()));
 }
+
+/// How a test starts the leader: as it comes, or where no cgroup can be made for its app (the cgroup
+/// mounts read-only in its own mount namespace, as in a container without a writable cgroup).
+#[derive(Clone, Copy, PartialEq)]
+enum Cgroups {
+    Writable,
+    ReadOnly,
+}
+
+fn leader_command(lab: &Lab, args: &[&str], app: &[&str], cgroups: Cgroups) -> Command {
+    let cmd = lab.command(args, app);
+    match cgroups {
+        Cgroups::Writable => cmd,
+        Cgroups::ReadOnly => launched_by(
+            &cmd,
+            "unshare",
+            &[
+                "--mount",
+                "sh",
+                "-c",
+                "for m in /sys/fs/cgroup/unified /sys/fs/cgroup/freezer /sys/fs/cgroup; do \
+                 mountpoint -q $m && mount -o remount,bind,ro $m; done; exec \"$@\"",
+                "sh",
+            ],
+        ),
+    }
+}
+
+/// The leader's app starts a helper in a session of its own (`setsid`: out of the app's process
+/// group, and later out of the guard's subtree), then the leader's guard meets `fault`. The
+/// standby's app, as it starts, records whether the helper still runs: it must not.
+fn an_escaped_helper_is_dead_before_a_standby_starts(
+    backend: &Backend,
+    cgroups: Cgroups,
+    fault: i32,
+) {
+    let mut lab = Lab::new();
+    let url = backend.url();
+    let mut args = vec!["--url", url.as_str(), "--name", "escape"];
+    args.extend(backend.fast_args());
+    let (helper_pid, verdict) = (lab.path("helper.pid"), lab.path("verdict"));
+    let script = format!(
+        "setsid sh -c 'echo $$ > {0}.tmp && mv {0}.tmp {0}; while :; do sleep 0.05; done' & \
+         while :; do sleep 0.05; done",
+        helper_pid.display()
+    );
+    let cmd = leader_command(&lab, &args, &["sh", "-c", &script], cgroups);
+    let mut leader = lab.start(cmd);
+    let helper = read_pid(&helper_pid, Duration::from_secs(10));
+    assert_eq!(
+        procs::group_of(helper),
+        Some(helper),
+        "the helper did not leave the app's group"
+    );
+    let standby_app = format!(
+        "s=$(cut -d' ' -f3 /proc/{helper}/stat 2>/dev/null); \
+         case \"$s\" in ''|Z|X) echo dead;; *) echo alive $s;; esac > {v}.tmp && mv {v}.tmp {v}; \
+         exec sleep 600",
+        v = verdict.display()
+    );
+    let mut standby = waiting_standby(&mut lab, &args, &["sh", "-c", &standby_app]);
+    if cgroups == Cgroups::ReadOnly {
+        assert!(
+            leader
+                .log_text()
+                .contains("event=\"app_cgroup_unavailable\""),
+            "{}",
+            leader.log_text()
+        );
+    }
+
+    leader.signal(fault);
+    let killed_at = std::time::Instant::now();
+    assert!(
+        wait_until(Duration::from_secs(20), || verdict.exists()),
+        "{}: the standby never took over: {}",
+        backend.name(),
+        standby.log_text()
+    );
+    assert_eq!(
+        fs::read_to_string(&verdict).unwrap().trim(),
+        "dead",
+        "{}: the escaped helper ran when the standby's app started",
+        backend.name()
+    );
+    if fault == 9 {
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(5),
+            "{}: the hand-over took {:?}",
+            backend.name(),
+            killed_at.elapsed()
+        );
+    }
+    leader.signal(18);
+    leader.wait(Duration::from_secs(10));
+    standby.signal(15);
+    standby.wait(Duration::from_secs(10));
+}
+
+#[test]
+fn redis_an_escaped_helper_of_a_frozen_guard_is_dead_before_a_standby_starts() {
+    let redis = Backend::Redis(Redis::start());
+    an_escaped_helper_is_dead_before_a_standby_starts(&redis, Cgroups::Writable, 19);
+}
+
+#[test]
+fn redis_without_a_cgroup_an_escaped_helper_of_a_frozen_guard_is_dead_before_a_standby_starts() {
+    let redis = Backend::Redis(Redis::start());
+    an_escaped_helper_is_dead_before_a_standby_starts(&redis, Cgroups::ReadOnly, 19);
+}
+
+#[test]
+fn file_an_escaped_helper_of_a_killed_guard_is_dead_before_a_standby_starts() {
+    let file = Backend::File(Lab::new());
+    an_escaped_helper_is_dead_before_a_standby_starts(&file, Cgroups::Writable, 9);
+}
+
+#[test]
+fn mysql_an_escaped_helper_of_a_killed_guard_is_dead_before_a_standby_starts() {
+    let mysql = Backend::Mysql(MariaDb::start());
+    an_escaped_helper_is_dead_before_a_standby_starts(&mysql, Cgroups::Writable, 9);
+}
+
+#[test]
+fn without_a_cgroup_the_guard_says_what_a_sigkill_leaves() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("lock");
+    let args = lock_args(&url, "nocgroup", &[]);
+    let cmd = leader_command(&lab, &args, &["true"], Cgroups::ReadOnly);
+    let mut guard = lab.start(cmd);
+    assert_eq!(
+        guard.code(Duration::from_secs(10)),
+        0,
+        "{}",
+        guard.log_text()
+    );
+    let log = guard.log_text();
+    assert_eq!(
+        log.matches("event=\"app_cgroup_unavailable\"").count(),
+        1,
+        "{log}"
+    );
+}

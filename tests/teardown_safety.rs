@@ -382,7 +382,13 @@ fn flock_now(path: &Path) -> Option<Flock<File>> {
 /// tasks (threads of every process of its uid) it has then (T), one of them the thread that waits
 /// in `flock` and ends once the lock is granted: RLIMIT_NPROC = T - 1 + room leaves room for `room`
 /// forks after acquiring.
+/// The limit counts every process of `NPROC_UID`: the tests that set it run one at a time.
+static NPROC_UID_IN_USE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn fork_failure_after_acquiring(room: usize) -> (i32, String, bool) {
+    let _one_at_a_time = NPROC_UID_IN_USE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let mut lab = Lab::new();
     fs::set_permissions(lab.dir.path(), fs::Permissions::from_mode(0o777)).unwrap();
     let lock_path = lab.path("nproc.lock");

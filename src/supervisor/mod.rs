@@ -1,5 +1,6 @@
 //! The supervised app: spawning it, forwarding signals, reaping, and tearing its whole tree down.
 
+mod cgroup;
 mod reaper;
 mod signals;
 mod spawn;
@@ -7,6 +8,8 @@ mod tree;
 pub mod watchdog;
 
 use std::collections::HashSet;
+use std::fs::File;
+use std::sync::Once;
 use std::time::Duration;
 
 use nix::errno::Errno;
@@ -17,6 +20,7 @@ use tracing::{debug, info, warn};
 use crate::cli::ForwardTo;
 use crate::deadline::{AsyncBootTimer, Deadline};
 use crate::vocab::{signal_name, AppStatus};
+use cgroup::AppCgroup;
 pub use signals::{ends_wait, is_shutdown, on_parent_death, ParentWatch, SignalEvents};
 use spawn::NotStarted;
 pub use spawn::{raise_descriptor_limit, AppEnv, SpawnError};
@@ -69,6 +73,8 @@ pub struct Supervisor {
     watchdog: Watchdog,
     /// The watchdog's end was already reported by `next_event`.
     watchdog_reported: bool,
+    /// Every process the app forks, `setsid` or not; none where no cgroup can be made.
+    cgroup: Option<AppCgroup>,
 }
 
 impl Supervisor {
@@ -85,9 +91,16 @@ impl Supervisor {
         dead_by: Option<Deadline>,
     ) -> Result<Supervisor, StartError> {
         let mut reaper = reaper::Reaper::register().map_err(StartError::Setup)?;
+        let (cgroup, procs) = app_cgroup().unzip();
         // Without its dead man's switch the app must not run.
         let mut watchdog =
-            Watchdog::spawn(stop, &env.set, env.remove, farewell).map_err(StartError::Watchdog)?;
+            match Watchdog::spawn(stop, &env.set, env.remove, farewell, cgroup.as_ref()) {
+                Ok(watchdog) => watchdog,
+                Err(e) => {
+                    cgroup.iter().for_each(AppCgroup::remove);
+                    return Err(StartError::Watchdog(e));
+                }
+            };
         reaper.track_watchdog(watchdog.pid());
         // The deadline goes first, before the app is forked: a guard frozen from here on is already
         // backed by the watchdog, which acts on a passed deadline whatever else it has heard.
@@ -95,12 +108,18 @@ impl Supervisor {
             watchdog.send(Message::LockDeadline(dead_by));
         }
         let not_after = dead_by.unwrap_or(Deadline::NEVER);
-        let app = match spawn::spawn(command, env, watchdog.app_link(), not_after) {
+        let app = match spawn::spawn(command, env, watchdog.app_link(), not_after, procs.as_ref()) {
             Ok(app) => app,
             Err(not_started) => {
                 let error = match not_started {
                     NotStarted::Command(e) => StartError::Spawn(e),
                     NotStarted::DeadlinePassed => StartError::DeadlinePassed,
+                    NotStarted::CgroupJoin => StartError::CgroupJoin(
+                        cgroup
+                            .as_ref()
+                            .map(|c| c.dir().display().to_string())
+                            .unwrap_or_default(),
+                    ),
                     // A watchdog that acted on the passed deadline before the app's process could
                     // tell it its group: the same refusal, seen from the other side.
                     NotStarted::WatchdogGone if not_after.has_passed() => {
@@ -115,6 +134,7 @@ impl Supervisor {
                 // this window it names no other process.)
                 watchdog.send(Message::StandDown);
                 await_watchdog(&mut reaper, &watchdog).await;
+                cgroup.iter().for_each(AppCgroup::remove);
                 return Err(error);
             }
         };
@@ -132,6 +152,7 @@ impl Supervisor {
             forward_to,
             watchdog,
             watchdog_reported: false,
+            cgroup,
         })
     }
 
@@ -192,7 +213,7 @@ impl Supervisor {
     /// SIGKILL to the app's group and every other process left below the guard; supervision goes
     /// on until the app's exit is seen.
     pub fn kill_all(&mut self) {
-        signal_app(self.app, Signal::SIGKILL);
+        let _ = signal_app(self.app, self.cgroup.as_ref(), Signal::SIGKILL);
         for pid in self.reaper.reap().unwrap_or_default() {
             let _ = kill(pid, Signal::SIGKILL);
         }
@@ -209,9 +230,17 @@ impl Supervisor {
         announce: impl FnOnce(),
     ) -> Stopped {
         self.watchdog.send(Message::KillBy(kill_by));
-        let gone = teardown(&mut self.reaper, self.app, signal, kill_by, announce).await;
+        let gone = teardown(
+            &mut self.reaper,
+            (self.app, self.cgroup.as_ref()),
+            signal,
+            kill_by,
+            announce,
+        )
+        .await;
         self.watchdog.send(Message::StandDown);
         let watchdog_acted = await_watchdog(&mut self.reaper, &self.watchdog).await;
+        self.cgroup.iter().for_each(AppCgroup::remove);
         // Only now may the app's pid, and with it its group id, be given to another process.
         self.reaper.reap_app();
         Stopped {
@@ -238,11 +267,12 @@ async fn await_watchdog(reaper: &mut reaper::Reaper, watchdog: &Watchdog) -> boo
     }
 }
 
-/// Signals the app's group and what else is left below the guard until nothing is: `signal` first,
-/// SIGKILL from `kill_by` on. Kill first, log after. Waits on SIGCHLD and the boot clock only.
+/// Signals the app's group, its cgroup and what else is left below the guard until nothing is:
+/// `signal` first, SIGKILL from `kill_by` on. Kill first, log after. Waits on SIGCHLD and the boot
+/// clock only.
 async fn teardown(
     reaper: &mut reaper::Reaper,
-    app: Pid,
+    (app, cgroup): (Pid, Option<&AppCgroup>),
     signal: Signal,
     kill_by: Deadline,
     announce: impl FnOnce(),
@@ -252,9 +282,8 @@ async fn teardown(
     } else {
         signal
     };
-    signal_app(app, current);
+    let mut signalled: HashSet<Pid> = signal_app(app, cgroup, current).into_iter().collect();
     announce();
-    let mut signalled: HashSet<Pid> = HashSet::new();
     let mut kill_timer = AsyncBootTimer::new(kill_by).ok();
     let mut logged = false;
     let mut unreadable_logged = false;
@@ -264,7 +293,7 @@ async fn teardown(
             // Fail closed: with the children unknown, the tree is not gone. The group is signalled
             // again and the children read again on the next tick.
             Err(e) => {
-                signal_app(app, current);
+                let _ = signal_app(app, cgroup, current);
                 if !unreadable_logged {
                     unreadable_logged = true;
                     warn!(event = "children_unreadable", error = %e, "cannot read the guard's children from /proc; the lock stays held until they can be read");
@@ -272,13 +301,24 @@ async fn teardown(
                 (Vec::new(), false)
             }
         };
-        if known && reaper.app_status().is_some() && left.is_empty() {
+        // A cgroup whose state cannot be read is not empty either.
+        let cgroup_empty = cgroup.is_none_or(|cgroup| cgroup.is_empty().unwrap_or(false));
+        if known && reaper.app_status().is_some() && left.is_empty() && cgroup_empty {
             return TreeGone(());
         }
         // Processes that left the app's group, and orphans handed to the guard: each gets the
         // current signal once. They are the guard's children, unreaped, so their pids are theirs.
-        signalled.retain(|pid| left.contains(pid));
-        for pid in left {
+        // So are the cgroup's members outside the group, while it lists them (a setsid'd process
+        // whose parent still runs is in no list of the guard's).
+        let in_cgroup = cgroup.and_then(|cgroup| cgroup.members().ok());
+        if let Some(in_cgroup) = &in_cgroup {
+            signalled.retain(|pid| left.contains(pid) || in_cgroup.contains(pid));
+        }
+        let outside = in_cgroup
+            .into_iter()
+            .flatten()
+            .filter(|pid| nix::unistd::getpgid(Some(*pid)).is_ok_and(|group| group != app));
+        for pid in left.into_iter().chain(outside) {
             if signalled.insert(pid) {
                 let _ = kill(pid, current);
             }
@@ -301,8 +341,8 @@ async fn teardown(
         }
         if current != Signal::SIGKILL && kill_by.has_passed() {
             current = Signal::SIGKILL;
-            signal_app(app, current);
             signalled.clear();
+            signalled.extend(signal_app(app, cgroup, current));
             warn!(
                 event = "killing_app",
                 "app processes outlived their stop deadline; sending SIGKILL"
@@ -311,12 +351,47 @@ async fn teardown(
     }
 }
 
-/// The app's group, and the app itself should it have left its group. Its pid is not reaped before
+/// The app's group, the app itself should it have left its group, and what of its cgroup is outside
+/// the group; returns the processes signalled outside it. The app's pid is not reaped before
 /// teardown ends, so neither number can name another process.
-fn signal_app(app: Pid, signal: Signal) {
+fn signal_app(app: Pid, cgroup: Option<&AppCgroup>, signal: Signal) -> Vec<Pid> {
     let _ = killpg(app, signal);
     if nix::unistd::getpgid(Some(app)).is_ok_and(|group| group != app) {
         let _ = kill(app, signal);
+    }
+    match cgroup {
+        Some(cgroup) if signal == Signal::SIGKILL && cgroup.kill().is_ok() => Vec::new(),
+        Some(cgroup) => cgroup.signal_outside(app, signal),
+        None => Vec::new(),
+    }
+}
+
+/// The app's cgroup, and its procs file opened for the app's process to join it; none where no
+/// cgroup can be made, which is said once: as PID 1 the kernel ends every process of the namespace
+/// with the guard, otherwise a process that leaves the app's group outlives a guard's SIGKILL.
+fn app_cgroup() -> Option<(AppCgroup, File)> {
+    static SAID: Once = Once::new();
+    let made = AppCgroup::create().and_then(|cgroup| {
+        match File::options().write(true).open(cgroup.procs_file()) {
+            Ok(procs) => Ok((cgroup, procs)),
+            Err(e) => {
+                cgroup.remove();
+                Err(format!("{}: {e}", cgroup.procs_file().display()))
+            }
+        }
+    });
+    match made {
+        Ok(made) => Some(made),
+        Err(reason) => {
+            SAID.call_once(|| {
+                if getpid().as_raw() == 1 {
+                    debug!(reason = %reason, "no cgroup for the app; as PID 1 the kernel stops the whole namespace with the guard");
+                } else {
+                    warn!(event = "app_cgroup_unavailable", reason = %reason, "no cgroup can be made for the app: a process of it that leaves its process group (setsid, a double fork) outlives a guard killed by SIGKILL");
+                }
+            });
+            None
+        }
     }
 }
 
@@ -337,6 +412,9 @@ pub enum StartError {
     /// The lock's deadline passed before the command could run (the guard was frozen on the way).
     #[error("the lock's deadline passed before the command could run")]
     DeadlinePassed,
+    /// The guard made the app's cgroup, but the app's process could not move itself into it.
+    #[error("the app's process could not move itself into the app's cgroup {0}")]
+    CgroupJoin(String),
 }
 
 impl std::fmt::Debug for TreeGone {

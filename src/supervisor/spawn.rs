@@ -1,8 +1,9 @@
 //! Starting the app: no shell, its own process group, killed with the guard, clean signal state.
 
 use std::ffi::OsString;
+use std::fs::File;
 use std::io;
-use std::os::fd::{BorrowedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::sync::OnceLock;
@@ -34,6 +35,9 @@ pub enum NotStarted {
     /// The lock's deadline had passed when the app's process was about to run the command (the guard
     /// was frozen between its last proof and the fork): the lock may be someone else's by now.
     DeadlinePassed,
+    /// The app's process could not move itself into the app's cgroup: started outside it, what it
+    /// forks could escape a guard's death.
+    CgroupJoin,
 }
 
 /// The errno the app's process reports a failed link to the watchdog with. The command's own exec
@@ -42,6 +46,8 @@ const LINK_FAILED: i32 = libc::EPIPE;
 /// The errno the app's process refuses the command with once the lock's deadline has passed; the
 /// command's own exec never fails with it either.
 const DEADLINE_PASSED: i32 = libc::ETIME;
+/// The errno the app's process reports a failed move into its cgroup with; exec never fails with it.
+const CGROUP_JOIN_FAILED: i32 = libc::ENOMEDIUM;
 
 /// The descriptor limits the guard started with, before `raise_descriptor_limit`: the app gets them
 /// back, so an app built for the usual 1024 (`select`, say) sees what it would without the guard.
@@ -67,8 +73,9 @@ pub struct AppEnv<'a> {
 }
 
 /// Spawns the app and returns its pid, which is also its process group id. Before it executes the
-/// command, the app's process waits until the watchdog runs, writes its group down the watchdog's
-/// pipe, and reads the boot clock itself: past `dead_by` it does not run the command at all.
+/// command, the app's process moves itself into `cgroup` (the app's cgroup's procs file, if there is
+/// one), waits until the watchdog runs, writes its group down the watchdog's pipe, and reads the
+/// boot clock itself: past `dead_by` it does not run the command at all.
 ///
 /// Must run on the thread that lives as long as the guard: `PR_SET_PDEATHSIG` fires when the
 /// spawning *thread* exits, not the process.
@@ -77,6 +84,7 @@ pub fn spawn(
     env: &AppEnv<'_>,
     watchdog: AppLink,
     dead_by: Deadline,
+    cgroup: Option<&File>,
 ) -> Result<Pid, NotStarted> {
     let (program, args) = command.split_first().expect("clap requires a command");
     let mut cmd = Command::new(program);
@@ -90,6 +98,7 @@ pub fn spawn(
     let guard_pid = getpid();
     let take_foreground = owns_terminal_foreground();
     let nofile = STARTING_NOFILE.get().copied();
+    let cgroup = cgroup.map(File::as_raw_fd);
     // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system calls;
     // it allocates nothing.
     unsafe {
@@ -97,7 +106,7 @@ pub fn spawn(
             if let Some((soft, hard)) = nofile {
                 setrlimit(Resource::RLIMIT_NOFILE, soft, hard)?;
             }
-            prepare_child(guard_pid, take_foreground, watchdog, dead_by)
+            prepare_child(guard_pid, take_foreground, watchdog, dead_by, cgroup)
         });
     }
     let describe = || program.to_string_lossy().into_owned();
@@ -105,6 +114,7 @@ pub fn spawn(
         Ok(child) => Ok(Pid::from_raw(child.id() as i32)),
         Err(e) if e.raw_os_error() == Some(LINK_FAILED) => Err(NotStarted::WatchdogGone),
         Err(e) if e.raw_os_error() == Some(DEADLINE_PASSED) => Err(NotStarted::DeadlinePassed),
+        Err(e) if e.raw_os_error() == Some(CGROUP_JOIN_FAILED) => Err(NotStarted::CgroupJoin),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             Err(NotStarted::Command(SpawnError::NotFound {
                 command: describe(),
@@ -130,6 +140,7 @@ fn prepare_child(
     take_foreground: bool,
     watchdog: AppLink,
     dead_by: Deadline,
+    cgroup: Option<RawFd>,
 ) -> io::Result<()> {
     // Its own group, so one signal reaches the app and everything it forks.
     setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
@@ -137,6 +148,18 @@ fn prepare_child(
     // The guard may have died between fork and prctl; then no death signal will ever come.
     if getppid() != guard_pid {
         let _ = raise(Signal::SIGKILL);
+    }
+    // Into the app's cgroup before anything of the app can fork, so nothing it ever forks is
+    // outside. "0" is the writing process itself.
+    if let Some(procs) = cgroup {
+        loop {
+            // SAFETY: write(2) of a static buffer to a descriptor the guard opened for it.
+            match unsafe { libc::write(procs, b"0".as_ptr().cast(), 1) } {
+                1 => break,
+                _ if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) => {}
+                _ => return Err(io::Error::from_raw_os_error(CGROUP_JOIN_FAILED)),
+            }
+        }
     }
     await_watchdog_exec(watchdog.exec_status)
         .map_err(|_| io::Error::from_raw_os_error(LINK_FAILED))?;

@@ -5,6 +5,7 @@
 //! guard has no child but its watchdog and the app's own unreaped zombie", which its own children
 //! list tells without walking every process on the host.
 
+use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::io;
 
@@ -65,6 +66,43 @@ pub fn live_group_members(pgid: Pid) -> io::Result<Vec<Pid>> {
         .filter(|(_, entry)| entry.pgid == pgid.as_raw() && !entry.zombie)
         .map(|(pid, _)| Pid::from_raw(pid))
         .collect())
+}
+
+/// Every live descendant of `root`, but `except` and what lies below it, from one walk of /proc.
+/// Used to reach what left the app's group while `root` (the guard) is frozen: its subtree then
+/// changes only by what its descendants do themselves. A process whose stat cannot be read is
+/// passed over (this list is for signalling, never for "the tree is gone").
+pub fn descendants(root: Pid, except: Pid) -> Vec<Pid> {
+    let Ok(dir) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut children: HashMap<i32, Vec<(i32, bool)>> = HashMap::new();
+    for entry in dir.flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+            continue;
+        };
+        if let Ok(Some(read)) = read_entry(pid) {
+            children
+                .entry(read.ppid)
+                .or_default()
+                .push((pid, read.zombie));
+        }
+    }
+    let mut found = Vec::new();
+    let mut seen = HashSet::from([root.as_raw()]);
+    let mut parents = vec![root.as_raw()];
+    while let Some(parent) = parents.pop() {
+        for &(pid, zombie) in children.get(&parent).into_iter().flatten() {
+            // A pid seen twice (reused during the walk) is not followed again.
+            if pid != except.as_raw() && seen.insert(pid) {
+                parents.push(pid);
+                if !zombie {
+                    found.push(Pid::from_raw(pid));
+                }
+            }
+        }
+    }
+    found
 }
 
 /// Whether /proc shows this process's own PID namespace. A guard started in a new namespace without
@@ -135,8 +173,12 @@ mod tests {
             .unwrap();
         let pid = Pid::from_raw(child.id() as i32);
         assert!(children().unwrap().contains(&pid));
+        let (me, init) = (getpid(), Pid::from_raw(1));
+        assert!(descendants(me, init).contains(&pid));
+        assert!(!descendants(me, pid).contains(&pid));
         child.kill().unwrap();
         child.wait().unwrap();
         assert!(!children().unwrap().contains(&pid));
+        assert!(!descendants(me, init).contains(&pid));
     }
 }

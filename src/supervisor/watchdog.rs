@@ -25,11 +25,12 @@
 //! first of them the app's group, written by the app's own process between fork and exec. It ignores
 //! every catchable signal: only the pipe ends it. All moments are `CLOCK_BOOTTIME` nanoseconds.
 
-use std::ffi::CString;
+use std::ffi::{CString, OsString};
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -37,12 +38,13 @@ use nix::errno::Errno;
 use nix::fcntl::{fcntl, FcntlArg, FdFlag, OFlag};
 use nix::libc;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-use nix::sys::signal::{killpg, sigprocmask, SigSet, SigmaskHow, Signal};
+use nix::sys::signal::{kill, killpg, sigprocmask, SigSet, SigmaskHow, Signal};
 use nix::sys::stat::{fstat, SFlag};
-use nix::unistd::{fork, pipe2, ForkResult, Pid};
+use nix::unistd::{fork, getpid, getppid, pipe2, ForkResult, Pid};
 use tracing::{debug, error, info, info_span, warn};
 use tracing_appender::non_blocking::WorkerGuard;
 
+use super::cgroup::AppCgroup;
 use crate::deadline::{BootTimer, Deadline};
 use crate::vocab::{AppStatus, LossReason};
 
@@ -235,23 +237,48 @@ impl Farewell<'_> {
 /// Runs a backend's farewell message in the watchdog; returns what it did, for the log.
 pub type FarewellRunner = fn(&[u8]) -> Result<String, String>;
 
-fn encode_handover(farewell: &Farewell<'_>) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(farewell.message.len() + 5);
+/// The hand-over: the guard's pid, whether fd 4 is kept, the farewell message, and the app's cgroup
+/// directory (empty: none), each of the two length-prefixed.
+fn encode_handover(guard: Pid, farewell: &Farewell<'_>, cgroup: Option<&Path>) -> Vec<u8> {
+    let cgroup = cgroup.map_or(&[][..], |dir| dir.as_os_str().as_bytes());
+    let mut bytes = Vec::with_capacity(farewell.message.len() + cgroup.len() + 13);
+    bytes.extend_from_slice(&guard.as_raw().to_le_bytes());
     bytes.push(u8::from(farewell.keep.is_some()));
-    let len = u32::try_from(farewell.message.len()).unwrap_or(u32::MAX);
-    bytes.extend_from_slice(&len.to_le_bytes());
-    bytes.extend_from_slice(&farewell.message[..len as usize]);
+    for part in [&farewell.message[..], cgroup] {
+        let len = u32::try_from(part.len()).unwrap_or(u32::MAX);
+        bytes.extend_from_slice(&len.to_le_bytes());
+        bytes.extend_from_slice(&part[..len as usize]);
+    }
     bytes
 }
 
-/// The hand-over: whether fd 4 is kept, and the farewell message.
-fn decode_handover(pipe: &mut impl Read) -> io::Result<(bool, Vec<u8>)> {
-    let mut head = [0u8; 5];
-    pipe.read_exact(&mut head)?;
-    let len = u32::from_le_bytes([head[1], head[2], head[3], head[4]]) as usize;
-    let mut message = vec![0u8; len];
-    pipe.read_exact(&mut message)?;
-    Ok((head[0] == 1, message))
+struct Handover {
+    guard: Pid,
+    keeps_fd: bool,
+    message: Vec<u8>,
+    cgroup: Option<PathBuf>,
+}
+
+fn decode_handover(pipe: &mut impl Read) -> io::Result<Handover> {
+    let mut guard = [0u8; 4];
+    pipe.read_exact(&mut guard)?;
+    let mut flag = [0u8; 1];
+    pipe.read_exact(&mut flag)?;
+    let mut part = || -> io::Result<Vec<u8>> {
+        let mut len = [0u8; 4];
+        pipe.read_exact(&mut len)?;
+        let mut bytes = vec![0u8; u32::from_le_bytes(len) as usize];
+        pipe.read_exact(&mut bytes)?;
+        Ok(bytes)
+    };
+    let message = part()?;
+    let cgroup = part()?;
+    Ok(Handover {
+        guard: Pid::from_raw(i32::from_le_bytes(guard)),
+        keeps_fd: flag[0] == 1,
+        message,
+        cgroup: (!cgroup.is_empty()).then(|| PathBuf::from(OsString::from_vec(cgroup))),
+    })
 }
 
 /// The guard's end: the watchdog's pid and the pipe that feeds it.
@@ -279,7 +306,8 @@ pub struct AppLink {
 impl Watchdog {
     /// Starts the watchdog, before the app, with no deadline yet. `context` names the lock
     /// (`SENTINEL_GUARD_NAME`, `_BACKEND`, `_HOLDER_ID`) so the watchdog's log lines say whose app
-    /// it acts on; `hidden` are variables it must not inherit (credentials).
+    /// it acts on; `hidden` are variables it must not inherit (credentials); `cgroup` is the app's
+    /// cgroup, stopped as a whole with its group.
     ///
     /// Forks and returns at once: the guard does not wait for the exec of its binary (about a third of
     /// a millisecond, on the path to the app's start). The app's process waits for it instead, in
@@ -289,6 +317,7 @@ impl Watchdog {
         context: &[(&str, String)],
         hidden: &[&str],
         farewell: &Farewell<'_>,
+        cgroup: Option<&AppCgroup>,
     ) -> io::Result<Watchdog> {
         // Close-on-exec, so the app never inherits an end: a stray write end would keep the pipe
         // open after the guard died.
@@ -339,7 +368,11 @@ impl Watchdog {
         drop((read_end, status_write));
         let mut pipe = File::from(write_end);
         // Written before any message; far below the pipe's capacity, so it never blocks.
-        pipe.write_all(&encode_handover(farewell))?;
+        pipe.write_all(&encode_handover(
+            nix::unistd::getpid(),
+            farewell,
+            cgroup.map(AppCgroup::dir),
+        ))?;
         Ok(Watchdog {
             pipe,
             pid,
@@ -554,12 +587,29 @@ pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
         group: None,
         started: None,
     };
-    let Ok((keeps_fd, message)) = decode_handover(&mut pipe) else {
+    let Ok(handover) = decode_handover(&mut pipe) else {
         // The guard died before it finished the hand-over, so before it started the app.
         return ExitCode::SUCCESS;
     };
     // SAFETY: fd 4 was handed over with the flag that says so.
-    let kept = keeps_fd.then(|| unsafe { OwnedFd::from_raw_fd(KEPT_FD) });
+    let kept = handover
+        .keeps_fd
+        .then(|| unsafe { OwnedFd::from_raw_fd(KEPT_FD) });
+    let message = handover.message;
+    // A cgroup that cannot be opened is treated as none (the group, and the descendants of a
+    // frozen guard, are still reached), and said.
+    let cgroup = handover.cgroup.and_then(|dir| match AppCgroup::open(dir.clone()) {
+        Ok(cgroup) => Some(cgroup),
+        Err(e) => {
+            log.on();
+            warn!(event = "watchdog_cgroup_unusable", cgroup = %dir.display(), error = %e, "the watchdog cannot use the app's cgroup; it reaches the app through its process group only");
+            None
+        }
+    });
+    let reach = Reach {
+        cgroup,
+        guard: handover.guard,
+    };
     let timer = match BootTimer::new() {
         Ok(timer) => timer,
         Err(e) => {
@@ -570,13 +620,13 @@ pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
         }
     };
     let mut switch = Switch::new(grace);
-    match watch(&mut pipe, timer, stop_signal, &mut switch, &mut log) {
+    match watch(&mut pipe, timer, stop_signal, &mut switch, &mut log, &reach) {
         Ended::Acted => ExitCode::from(EXIT_ACTED),
         Ended::StoodDown => ExitCode::SUCCESS,
         Ended::GuardGone => {
             let message = if switch.farewell { &message[..] } else { &[] };
             let kept = if switch.farewell { kept } else { None };
-            guard_gone(kept, message, farewell, &mut log);
+            guard_gone(kept, message, farewell, &mut log, &reach);
             ExitCode::SUCCESS
         }
     }
@@ -622,13 +672,14 @@ fn watch(
     stop_signal: Signal,
     switch: &mut Switch,
     log: &mut Log,
+    reach: &Reach,
 ) -> Ended {
     loop {
         // The clock first: after a freeze, the deadline that passed is acted on before any later
         // deadline the guard may have written meanwhile is read.
         match switch.due(Deadline::now()) {
             Action::Kill if switch.teardown => {
-                signal_group(log.group, Signal::SIGKILL);
+                reach.signal(log.group, Signal::SIGKILL);
                 switch.killed_in_teardown();
                 log.on();
                 warn!(
@@ -638,7 +689,7 @@ fn watch(
             }
             Action::Kill => {
                 learn_group(pipe, log);
-                signal_group(log.group, Signal::SIGKILL);
+                reach.signal(log.group, Signal::SIGKILL);
                 log.on();
                 error!(
                     event = "watchdog_killed_app",
@@ -650,7 +701,7 @@ fn watch(
             // Before the app's process has said which group is its own there is nothing to stop:
             // the message that says it is read first, and the stop signal sent then.
             Action::Stop if log.group.is_some() => {
-                signal_group(log.group, stop_signal);
+                reach.signal(log.group, stop_signal);
                 switch.stop_sent();
                 log.on();
                 error!(
@@ -727,11 +778,64 @@ fn learn_group(pipe: &mut File, log: &mut Log) {
     }
 }
 
-/// Signals the app's group, once its process has said which it is. Before that there is no app to
-/// signal (deadlines only follow the group down the pipe), and no other group may be hit.
-fn signal_group(group: Option<Pid>, signal: Signal) {
-    if let Some(group) = group {
+/// What the watchdog can reach of the app beyond its process group.
+struct Reach {
+    /// The app's cgroup, which holds every process the app forked, `setsid` or not.
+    cgroup: Option<AppCgroup>,
+    /// The guard, whose descendants are the app's tree where there is no cgroup.
+    guard: Pid,
+}
+
+impl Reach {
+    /// Signals the app's group, once its process has said which it is, then what left the group:
+    /// the app's cgroup, and, while the guard lives, every descendant of the guard but the watchdog
+    /// (a frozen guard's children lists do not change, and orphans of the app are handed to the
+    /// guard). Before the group is known there is no app to signal (deadlines only follow the group
+    /// down the pipe), and no other process may be hit. For SIGKILL, a cgroup that cannot be
+    /// killed whole at once is killed again, for up to `GROUP_GONE_RECHECK`, until it is empty.
+    fn signal(&self, group: Option<Pid>, signal: Signal) {
+        let Some(group) = group else { return };
         let _ = killpg(group, signal);
+        if let Some(cgroup) = &self.cgroup {
+            if signal != Signal::SIGKILL {
+                cgroup.signal_outside(group, signal);
+            } else {
+                let until = Deadline::after(GROUP_GONE_RECHECK);
+                while cgroup.kill().is_err() || !cgroup.is_empty().unwrap_or(false) {
+                    if until.has_passed() {
+                        cgroup.signal_outside(group, signal);
+                        break;
+                    }
+                    std::thread::sleep(GROUP_GONE_POLL);
+                }
+            }
+        }
+        // Its parent is still the guard (the watchdog was forked by it): the guard lives, and its
+        // subtree is the app's. After its death the parent is someone else, whose subtree is not.
+        if getppid() == self.guard {
+            for pid in super::tree::descendants(self.guard, getpid()) {
+                if nix::unistd::getpgid(Some(pid)).is_ok_and(|g| g != group) {
+                    let _ = kill(pid, signal);
+                }
+            }
+        }
+    }
+
+    /// Whether anything of the app is left: its group, or its cgroup.
+    fn app_left(&self, group: Pid) -> io::Result<Vec<Pid>> {
+        let mut left = super::tree::live_group_members(group)?;
+        if let Some(cgroup) = &self.cgroup {
+            if !cgroup.is_empty()? {
+                left.extend(cgroup.members()?);
+                // Exited but not yet counted out, or not visible in this PID namespace: looked at
+                // again after a short wait.
+                if left.is_empty() {
+                    std::thread::sleep(GROUP_GONE_POLL);
+                    left.push(group);
+                }
+            }
+        }
+        Ok(left)
     }
 }
 
@@ -740,16 +844,33 @@ fn signal_group(group: Option<Pid>, signal: Signal) {
 /// With no group ever sent, no app ever ran: the guard died before the app's process could exec,
 /// and that process dies by its parent-death signal (or its own check of its parent) without
 /// running anything.
-fn guard_gone(kept: Option<OwnedFd>, message: &[u8], farewell: FarewellRunner, log: &mut Log) {
+fn guard_gone(
+    kept: Option<OwnedFd>,
+    message: &[u8],
+    farewell: FarewellRunner,
+    log: &mut Log,
+    reach: &Reach,
+) {
     let group = log.group;
-    if group.is_some_and(|group| killpg(group, Signal::SIGKILL).is_ok()) {
+    let hit = group.is_some_and(|group| killpg(group, Signal::SIGKILL).is_ok());
+    // The cgroup too, whatever its state reads: a process that left the group (setsid, a double
+    // fork) is no longer below the guard, which is gone, but it is still in the cgroup.
+    let escaped = match (group, &reach.cgroup) {
+        (Some(_), Some(cgroup)) => {
+            let populated = !cgroup.is_empty().unwrap_or(true);
+            let _ = cgroup.kill();
+            populated
+        }
+        _ => false,
+    };
+    if hit || escaped {
         log.on();
         warn!(
             event = "watchdog_killed_orphans",
-            "guard gone; watchdog killed what was left of the app's process group"
+            "guard gone; watchdog killed what was left of the app's process group and cgroup"
         );
     }
-    if kept.is_none() && message.is_empty() {
+    if kept.is_none() && message.is_empty() && reach.cgroup.is_none() {
         return;
     }
     // Until the group is empty the lock must stay taken, however long a process takes to die.
@@ -757,7 +878,7 @@ fn guard_gone(kept: Option<OwnedFd>, message: &[u8], farewell: FarewellRunner, l
     let mut warned = false;
     let mut unreadable = false;
     while let Some(group) = group {
-        let members = match super::tree::live_group_members(group) {
+        let members = match reach.app_left(group) {
             Ok(members) if members.is_empty() => break,
             Ok(members) => members,
             // Unknown is never "gone": the lock stays taken, and /proc is read again shortly.
@@ -779,7 +900,14 @@ fn guard_gone(kept: Option<OwnedFd>, message: &[u8], farewell: FarewellRunner, l
                 "app processes outlive SIGKILL; the lock stays held until they are gone"
             );
         }
+        // Again: a kill that needed a freeze may have missed a process being forked.
+        if let Some(cgroup) = &reach.cgroup {
+            let _ = cgroup.kill();
+        }
         await_exits(&members);
+    }
+    if let Some(cgroup) = &reach.cgroup {
+        cgroup.remove();
     }
     drop(kept);
     if message.is_empty() {
@@ -873,12 +1001,15 @@ mod tests {
             message: b"mysql://secret".to_vec(),
             keep: None,
         };
-        let bytes = encode_handover(&farewell);
-        assert_eq!(
-            decode_handover(&mut &bytes[..]).unwrap(),
-            (false, b"mysql://secret".to_vec())
-        );
-        assert!(decode_handover(&mut &bytes[..3]).is_err());
+        for cgroup in [None, Some(Path::new("/sys/fs/cgroup/sentinel-guard-7"))] {
+            let bytes = encode_handover(Pid::from_raw(4242), &farewell, cgroup);
+            let read = decode_handover(&mut &bytes[..]).unwrap();
+            assert_eq!(read.guard, Pid::from_raw(4242));
+            assert!(!read.keeps_fd);
+            assert_eq!(read.message, b"mysql://secret");
+            assert_eq!(read.cgroup.as_deref(), cgroup);
+            assert!(decode_handover(&mut &bytes[..bytes.len() - 1]).is_err());
+        }
     }
 
     #[test]

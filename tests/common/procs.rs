@@ -49,6 +49,11 @@ pub fn children(parent: i32) -> Vec<i32> {
         .collect()
 }
 
+/// The process's group, or `None` once it is gone.
+pub fn group_of(pid: i32) -> Option<i32> {
+    stat(pid).map(|(_, _, pgrp)| pgrp)
+}
+
 /// Live (not zombie) members of process group `pgid`.
 pub fn group_members(pgid: i32) -> Vec<i32> {
     all_pids()
