@@ -127,10 +127,17 @@ pub struct Cli {
     #[arg(long, env = "SENTINEL_GUARD_REJOIN")]
     pub rejoin: bool,
 
-    /// After acquiring, hold the lock this long before starting the command (closes the gap when a
-    /// server dropped the previous holder while its app was still stopping; at most 1h)
-    #[arg(long, env = "SENTINEL_GUARD_TAKEOVER_DELAY", default_value = "0s", value_parser = humantime::parse_duration, value_name = "DUR")]
-    pub takeover_delay: Duration,
+    /// After acquiring, hold the lock before starting the command when the previous holder's app may
+    /// still be stopping (the lock was taken away: a KILL, a failover, a deleted key or file): `auto`
+    /// waits the bound the previous holder recorded, and not at all after a clean hand-over; a
+    /// duration waits that long instead (at most 1h; `0s` permits overlap)
+    #[arg(
+        long,
+        env = "SENTINEL_GUARD_TAKEOVER_DELAY",
+        default_value = "0s",
+        value_name = "auto|DUR"
+    )]
+    pub takeover_delay: String,
 
     /// Where forwarded signals go: the command's whole process group, or the command alone
     #[arg(long, env = "SENTINEL_GUARD_FORWARD_TO", value_enum, default_value_t = ForwardTo::Group)]

@@ -117,7 +117,7 @@ pub struct Config {
     pub wait: Wait,
     /// `--rejoin`: after a lost lock, wait for it again instead of exiting (only with a wait).
     pub rejoin: bool,
-    pub takeover_delay: Duration,
+    pub takeover_delay: TakeoverDelay,
     pub forward_to: ForwardTo,
     pub exit_code_map: ExitCodeMap,
     pub max_runtime: Option<Duration>,
@@ -126,6 +126,32 @@ pub struct Config {
     pub metrics_addr: Option<std::net::SocketAddr>,
     pub log_format: LogFormat,
     pub command: Vec<OsString>,
+}
+
+/// `--takeover-delay auto|DUR`: how long a new holder keeps the lock before starting the app when
+/// the previous holder's app may still be stopping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TakeoverDelay {
+    /// The bound the previous holder recorded, or this guard's own where there is no record; none
+    /// after a clean hand-over.
+    Auto,
+    /// This long, whatever the record says, but none after a clean hand-over; zero: never.
+    Fixed(Duration),
+}
+
+impl TakeoverDelay {
+    fn parse(raw: &str) -> Result<TakeoverDelay, ConfigError> {
+        if raw == "auto" {
+            return Ok(TakeoverDelay::Auto);
+        }
+        let delay = humantime::parse_duration(raw).map_err(|e| {
+            invalid(format!(
+                "--takeover-delay {raw:?} is neither auto nor a duration: {e}"
+            ))
+        })?;
+        at_most("--takeover-delay", delay, MAX_TAKEOVER_DELAY)?;
+        Ok(TakeoverDelay::Fixed(delay))
+    }
 }
 
 /// `--wait[=DUR]`.
@@ -244,11 +270,6 @@ impl Config {
             ),
             ("--ttl", Some(cli.ttl), MAX_TTL),
             ("--renew-interval", cli.renew_interval, MAX_RENEW_INTERVAL),
-            (
-                "--takeover-delay",
-                Some(cli.takeover_delay),
-                MAX_TAKEOVER_DELAY,
-            ),
             ("--max-runtime", cli.max_runtime, MAX_MAX_RUNTIME),
         ] {
             if let Some(value) = value {
@@ -265,6 +286,7 @@ impl Config {
         };
         timings.validate(target.as_ref())?;
         let wait = Wait::parse(cli.wait.as_deref())?;
+        let takeover_delay = TakeoverDelay::parse(&cli.takeover_delay)?;
         if cli.rejoin && wait == Wait::No {
             return Err(invalid(
                 "--rejoin needs --wait: a guard that rejoins after a lost lock waits for it as a standby",
@@ -287,7 +309,7 @@ impl Config {
                 .transpose()?,
             wait,
             rejoin: cli.rejoin,
-            takeover_delay: cli.takeover_delay,
+            takeover_delay,
             forward_to: cli.forward_to,
             exit_code_map: ExitCodeMap::parse(&cli.exit_code_map)?,
             max_runtime: cli.max_runtime,

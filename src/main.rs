@@ -13,6 +13,7 @@ mod manpage;
 mod metrics;
 mod notify;
 mod outcome;
+mod record;
 mod run;
 mod status;
 mod supervisor;

@@ -14,13 +14,14 @@ use crate::backend::{
     self, Acquisition, Backoff, ClaimAnswer, ClaimRequest, HeldLock, LockError, LockLoss,
     LockRequest, Patience,
 };
-use crate::config::{Config, Target, Wait};
+use crate::config::{Config, TakeoverDelay, Target, Wait};
 use crate::deadline::{self, AsyncBootTimer, Deadline};
 use crate::endpoints::Endpoints;
 use crate::holder::Holder;
 use crate::metrics::{AcquireOutcome, Metrics};
 use crate::notify;
 use crate::outcome::Outcome;
+use crate::record::Previous;
 use crate::supervisor::watchdog::Farewell;
 use crate::supervisor::{
     self, ends_wait, is_shutdown, AppEnv, Event, ParentWatch, SignalEvents, SpawnError, StartError,
@@ -131,6 +132,15 @@ impl Guard<'_> {
                 event = "unguarded",
                 "SINGLE_INSTANCE_GUARD=false: running the app WITHOUT ANY LOCK; several copies may run at once. \
                  Never use this in production."
+            );
+        }
+        if self.config.target.is_some()
+            && self.config.takeover_delay == TakeoverDelay::Fixed(Duration::ZERO)
+        {
+            warn!(
+                event = "takeover_delay_off",
+                "--takeover-delay 0s: when the backend takes the lock away (a KILL, a failover, a deleted key or file), \
+                 a new holder may start its app while this one's is still stopping; --takeover-delay auto waits for it"
             );
         }
         if let Some(schedule) = &self.config.schedule {
@@ -631,26 +641,40 @@ impl Guard<'_> {
         }
     }
 
-    /// Holds the lock for `--takeover-delay` before the app starts, unless the previous holder is known
-    /// to have released it cleanly: a server that dropped the previous holder (KILL, restart, failover)
-    /// freed the lock while that holder's app may still be inside its grace period.
+    /// Holds the lock before the app starts while the previous holder's app may still be stopping:
+    /// a server that dropped that holder (KILL, restart, failover), a deleted key or lock file, freed
+    /// the lock while its app may still be inside its grace period. `--takeover-delay auto` waits
+    /// the bound that holder recorded; a duration waits that long; neither waits after a clean
+    /// hand-over, which the lock record proves.
     async fn takeover_delay(
         &self,
         mut held: HeldLock,
         signals: &mut SignalEvents,
     ) -> Result<HeldLock, Finished> {
-        let delay = self.config.takeover_delay;
+        let previous = held.previous();
+        let (delay, reason) = match (self.config.takeover_delay, previous) {
+            // A fixed delay is skipped only where it always was: a Redis lease its owner released
+            // (`HeldLock::released_cleanly`). The other records prove less across a failover, a
+            // restored backup or a guard that cannot write them, and `auto` is the opt-in.
+            (TakeoverDelay::Fixed(delay), _) if !held.released_cleanly() => {
+                (delay, previous.reason())
+            }
+            (TakeoverDelay::Fixed(_), _)
+            | (TakeoverDelay::Auto, Previous::Gone(_) | Previous::Expired) => {
+                let reason = previous.reason();
+                info!(
+                    event = "takeover_delay_skipped",
+                    reason = %reason,
+                    "the previous holder's app is gone; no takeover delay needed"
+                );
+                return Ok(held);
+            }
+            (TakeoverDelay::Auto, Previous::MayRun { bound, why }) => (bound, why),
+        };
         if delay.is_zero() {
             return Ok(held);
         }
-        if held.previous_release_was_clean() {
-            info!(
-                event = "takeover_delay_skipped",
-                "previous holder released the lock cleanly; no takeover delay needed"
-            );
-            return Ok(held);
-        }
-        info!(event = "takeover_delay", delay = %humantime::format_duration(delay), "lock acquired; holding it for the takeover delay before starting the app");
+        info!(event = "takeover_delayed", reason = %reason, wait = %humantime::format_duration(delay), "lock acquired; the previous holder's app may still be stopping, so the app starts after the wait");
         notify::status(&format!(
             "lock acquired; holding it for the takeover delay ({}) before starting the app",
             humantime::format_duration(delay)

@@ -230,7 +230,7 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
         assert!(
             wait_until(Duration::from_secs(40), || standby
                 .log_text()
-                .contains("event=\"takeover_delay\"")),
+                .contains("event=\"takeover_delayed\"")),
             "{kind:?}: the standby never took the frozen leader's lock: {}",
             standby.log_text()
         );

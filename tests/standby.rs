@@ -173,7 +173,7 @@ fn standby_after_a_killed_leader_connection_waits_out_the_takeover_delay() {
     read_pid(&standby_pid, Duration::from_secs(10));
     assert_eq!(assert_no_overlap(&trace), 2);
     assert!(
-        standby.log_text().contains("takeover delay"),
+        standby.log_text().contains("event=\"takeover_delayed\""),
         "{}",
         standby.log_text()
     );
@@ -193,7 +193,7 @@ fn redis_standby_skips_the_takeover_delay_after_a_clean_release() {
     );
     assert_eq!(code, 0, "{log}");
     assert!(
-        log.contains("holding it for the takeover delay"),
+        log.contains("event=\"takeover_delayed\" reason=no_record"),
         "a first acquisition is not known clean: {log}"
     );
     let started = Instant::now();
@@ -207,7 +207,10 @@ fn redis_standby_skips_the_takeover_delay_after_a_clean_release() {
         started.elapsed() < Duration::from_secs(3),
         "delay applied after a clean release: {log}"
     );
-    assert!(log.contains("released the lock cleanly"), "{log}");
+    assert!(
+        log.contains("event=\"takeover_delay_skipped\" reason=released"),
+        "{log}"
+    );
 }
 
 #[test]

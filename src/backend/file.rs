@@ -25,6 +25,7 @@ use super::{
 };
 use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
+use crate::record::{Previous, RecordState};
 use crate::supervisor::watchdog::Farewell;
 use crate::window::{self, Claim, RunEnd};
 
@@ -176,14 +177,29 @@ fn hold(
     if FileIdentity::at(path) != Some(identity) {
         return Ok(None);
     }
-    let claim = read_claim(&mut locked);
-    write_record(&mut locked, Some(request.holder), claim.as_ref())
-        .map_err(|e| io_error(path, e))?;
-    info!(event = "lock_acquired", path = %path.display(), "file lock acquired");
+    let (claim, found) = read_records(&mut locked);
+    let own_bound = request.timings.detection_bound() + request.timings.grace_period;
+    let previous = previous_holder(found.as_ref(), identity, own_bound);
+    let lock = LockLine {
+        state: RecordState::Held,
+        fence: found.map_or(1, |line| line.fence + 1),
+        identity,
+        bound: own_bound,
+    };
+    write_record(
+        &mut locked,
+        Some(request.holder),
+        claim.as_ref(),
+        Some(&lock),
+    )
+    .map_err(|e| io_error(path, e))?;
+    info!(event = "lock_acquired", path = %path.display(), fencing_token = lock.fence, previous = %previous.reason(), "file lock acquired");
     Ok(Some(HeldLock::File(FileLock {
         record: Box::new(Record {
             holder: request.holder.clone(),
             claim,
+            lock,
+            previous,
         }),
         file: locked,
         path: path.to_owned(),
@@ -420,6 +436,7 @@ fn write_record(
     file: &mut File,
     holder: Option<&Holder>,
     claim: Option<&Claim>,
+    lock: Option<&LockLine>,
 ) -> std::io::Result<()> {
     let mut record = format!("{MAGIC}\n");
     if let Some(holder) = holder {
@@ -427,6 +444,9 @@ fn write_record(
     }
     if let Some(claim) = claim {
         record.push_str(&format!("{}\n", claim.encode()));
+    }
+    if let Some(lock) = lock {
+        record.push_str(&format!("{}\n", lock.encode()));
     }
     file.seek(SeekFrom::Start(0))?;
     file.write_all(record.as_bytes())?;
@@ -453,23 +473,94 @@ impl FileIdentity {
     }
 }
 
-/// The claim line of the record, if any.
-fn read_claim(file: &mut File) -> Option<Claim> {
+/// The claim line and the lock line of the record, where there are.
+fn read_records(file: &mut File) -> (Option<Claim>, Option<LockLine>) {
     let mut text = String::new();
-    file.seek(SeekFrom::Start(0)).ok()?;
-    file.read_to_string(&mut text).ok()?;
-    text.lines().find_map(Claim::parse)
+    if file.seek(SeekFrom::Start(0)).is_err() || file.read_to_string(&mut text).is_err() {
+        return (None, None);
+    }
+    (
+        text.lines().find_map(Claim::parse),
+        text.lines().find_map(LockLine::parse),
+    )
 }
 
 /// The last claimed window recorded in the lock file, read without taking the lock.
 pub fn last_claim(path: &Path) -> Option<Claim> {
-    read_claim(&mut open_to_read(path).ok()??)
+    read_records(&mut open_to_read(path).ok()??).0
 }
 
-/// What the held lock's file says: the holder, and the last claimed window, kept across holders.
+/// The lock file's lock record: its state, the fencing token of the acquisition that wrote it, the
+/// file it was written in, and that holder's "app dead by" bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LockLine {
+    state: RecordState,
+    fence: u64,
+    identity: FileIdentity,
+    bound: std::time::Duration,
+}
+
+impl LockLine {
+    fn encode(&self) -> String {
+        format!(
+            "lock_state={} fence={} dev={} ino={} bound_ms={}",
+            self.state.as_str(),
+            self.fence,
+            self.identity.dev,
+            self.identity.ino,
+            self.bound.as_millis()
+        )
+    }
+
+    fn parse(line: &str) -> Option<LockLine> {
+        let field = |key: &str| {
+            line.split(' ')
+                .find_map(|pair| pair.strip_prefix(key)?.strip_prefix('='))
+        };
+        let number = |key: &str| field(key)?.parse::<u64>().ok();
+        Some(LockLine {
+            state: RecordState::parse(field("lock_state")?)?,
+            fence: number("fence")?,
+            identity: FileIdentity {
+                dev: number("dev")?,
+                ino: number("ino")?,
+            },
+            bound: std::time::Duration::from_millis(number("bound_ms")?),
+        })
+    }
+}
+
+/// What the lock line found in a freshly locked file says of the previous holder. A `flock` is freed
+/// only by its holder's unlock (after its release wrote `released`) or when every descriptor of it
+/// is closed: the guard's, and the watchdog's copy, which it closes only once the app's tree is
+/// gone. So a `held` line written in this very file means the tree is gone. In another file (the
+/// path was deleted or replaced, a record copied) it proves nothing: the lock was taken away.
+fn previous_holder(
+    found: Option<&LockLine>,
+    identity: FileIdentity,
+    own_bound: std::time::Duration,
+) -> Previous {
+    match found {
+        None => Previous::MayRun {
+            bound: own_bound,
+            why: "no_record",
+        },
+        Some(line) if line.identity != identity => Previous::MayRun {
+            bound: line.bound.max(own_bound),
+            why: "taken_away",
+        },
+        Some(line) if line.state == RecordState::Held => Previous::Gone("tree_gone"),
+        Some(line) => Previous::from_record(line.state, line.bound),
+    }
+}
+
+/// What the held lock's file says: the holder, the last claimed window (kept across holders), and
+/// the lock line this acquisition wrote.
 struct Record {
     holder: Holder,
     claim: Option<Claim>,
+    lock: LockLine,
+    previous: Previous,
 }
 
 pub struct FileLock {
@@ -565,17 +656,39 @@ impl FileLock {
     }
 
     fn write_claim(&mut self, claim: Claim) -> Result<(), LockError> {
-        write_record(&mut self.file, Some(&self.record.holder), Some(&claim))
-            .map_err(|e| io_error(&self.path, e))?;
+        write_record(
+            &mut self.file,
+            Some(&self.record.holder),
+            Some(&claim),
+            Some(&self.record.lock),
+        )
+        .map_err(|e| io_error(&self.path, e))?;
         self.record.claim = Some(claim);
         Ok(())
+    }
+
+    pub fn previous(&self) -> Previous {
+        self.record.previous
+    }
+
+    pub fn fencing_token(&self) -> u64 {
+        self.record.lock.fence
     }
 
     pub fn release(mut self) -> Result<(), LockError> {
         // Never unlink: a contender may already have the inode open and would lock a file no one else
         // can find. Dropping the holder from the record keeps a stale identity from being reported as
         // the holder; the magic line keeps the file recognisably ours.
-        let _ = write_record(&mut self.file, None, self.record.claim.as_ref());
+        let released = LockLine {
+            state: RecordState::Released,
+            ..self.record.lock
+        };
+        let _ = write_record(
+            &mut self.file,
+            None,
+            self.record.claim.as_ref(),
+            Some(&released),
+        );
         self.file.unlock().map_err(|(_, errno)| {
             LockError::Refused(format!("unlock {}: {errno}", self.path.display()))
         })?;

@@ -7,6 +7,7 @@ mod farewell;
 mod file;
 mod mysql;
 mod postgres;
+mod record_table;
 mod redis;
 mod session_socket;
 mod watched;
@@ -23,6 +24,7 @@ use crate::config::{LockName, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
 use crate::metrics::{AcquireOutcome, Metrics};
+use crate::record::Previous;
 use crate::supervisor::watchdog::Farewell;
 use crate::supervisor::TreeGone;
 use crate::vocab::LossReason;
@@ -365,12 +367,19 @@ pub enum HeldLock {
 }
 
 impl HeldLock {
-    /// Whether the previous holder is known to have released the lock itself, after its app was
-    /// dead. Only Redis can tell; elsewhere the server may have dropped a holder whose app still stops.
-    pub fn previous_release_was_clean(&self) -> bool {
+    /// Whether the previous holder was a Redis lease its owner released, on a topology where that
+    /// record survives a failover: the one case a fixed `--takeover-delay` is skipped.
+    pub fn released_cleanly(&self) -> bool {
+        matches!(self, HeldLock::Redis(lock) if lock.previous() == Previous::Gone("released"))
+    }
+
+    /// What the lock record found at acquisition says of the previous holder's app.
+    pub fn previous(&self) -> Previous {
         match self {
-            HeldLock::Redis(lock) => lock.previous_release_was_clean(),
-            HeldLock::Mysql(_) | HeldLock::Postgres(_) | HeldLock::File(_) => false,
+            HeldLock::Mysql(lock) => lock.previous,
+            HeldLock::Postgres(lock) => lock.previous,
+            HeldLock::Redis(lock) => lock.previous(),
+            HeldLock::File(lock) => lock.previous(),
         }
     }
 
@@ -415,7 +424,10 @@ impl HeldLock {
                 .map(|token| ("SENTINEL_GUARD_FENCING_TOKEN", token.to_string()))
                 .into_iter()
                 .collect(),
-            HeldLock::File(_) => Vec::new(),
+            HeldLock::File(lock) => vec![(
+                "SENTINEL_GUARD_FENCING_TOKEN",
+                lock.fencing_token().to_string(),
+            )],
         }
     }
 

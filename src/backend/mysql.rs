@@ -16,6 +16,7 @@ use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
 use super::farewell::{Server, SessionFarewell};
+use super::record_table;
 use super::watched::{CheckTiming, SessionLock, SessionWatcher, Verdict};
 use super::{
     connect_failure, reopen, Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock,
@@ -24,6 +25,7 @@ use super::{
 use crate::config::{LockName, MysqlTarget, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
+use crate::record::{Previous, RecordState};
 use crate::window::{Claim, RunEnd, UnixMicros};
 
 /// Server error codes that mean the server ended our session rather than refused one statement.
@@ -135,7 +137,7 @@ async fn settle_at_once(conn: &mut Conn, wanted: u64) -> Result<Settled, mysql_a
     };
     let mut answer = conn
         .query_iter(format!(
-            "SET SESSION wait_timeout = {wanted}, {limit} = 0; {SAFETY_QUERY}; \
+            "SET SESSION wait_timeout = {wanted}, {limit} = 0, autocommit = 1; {SAFETY_QUERY}; \
              SELECT @@session.wait_timeout"
         ))
         .await?;
@@ -156,7 +158,8 @@ async fn settle_one_by_one(
 ) -> Result<Settled, LockError> {
     let step = |what| (target, what, bounded);
     let vars = set_up(step("SHOW GLOBAL VARIABLES"), conn.query(SAFETY_QUERY)).await?;
-    let set = format!("SET SESSION wait_timeout = {wanted}");
+    // Autocommit: the lock record is written on this session, and must be seen at once.
+    let set = format!("SET SESSION wait_timeout = {wanted}, autocommit = 1");
     set_up(step("SET SESSION wait_timeout"), conn.query_drop(set)).await?;
     let read_back = conn.query_first("SELECT @@session.wait_timeout");
     let kept = set_up(step("SELECT @@session.wait_timeout"), read_back).await?;
@@ -251,11 +254,14 @@ pub async fn acquire(
             )),
             Ok(Ok(Some(Some(1)))) => {
                 let ports = session_ports(&mut conn, target, timings.check_timeout).await;
+                let (previous, fence) = take_record(&mut conn, target, request).await?;
                 info!(
                     event = "lock_acquired",
                     connection_id = conn.id(),
                     wait_timeout_secs = timings.session_timeout_secs(),
                     server_version = %version(&conn),
+                    fencing_token = fence,
+                    previous = %previous.reason(),
                     "mysql lock acquired"
                 );
                 return Ok(Acquisition::Acquired(HeldLock::Mysql(watch(
@@ -263,6 +269,7 @@ pub async fn acquire(
                     target,
                     request,
                     (sent + chunk, ports),
+                    (previous, fence),
                 ))));
             }
             Ok(Ok(Some(Some(0)))) if patience.exhausted() => {
@@ -468,6 +475,21 @@ async fn end_on(
         Some(e) => target.url.scrub(e),
         None => "no answer to the session's proof".to_owned(),
     })?;
+    // The tree is gone (the watchdog says farewell only then): a record still held by the dead
+    // guard says so, whether or not its session still holds the lock. One the next holder wrote
+    // is not the dead guard's, and is left as it is.
+    let marked = timeout(
+        farewell.timeout,
+        conn.query_drop(record_table::mark_sql(
+            &farewell.name,
+            &farewell.holder_id,
+            RecordState::TreeGone,
+        )),
+    )
+    .await;
+    if !matches!(marked, Ok(Ok(()))) {
+        debug!("the dead guard's lock record could not be marked tree_gone");
+    }
     if !ours {
         return Ok(format!(
             "left connection {}: it no longer holds the lock while running the dead guard's check",
@@ -523,6 +545,7 @@ fn watch(
     target: &MysqlTarget,
     request: &LockRequest<'_>,
     asked: (Deadline, Option<(u16, u16)>),
+    (previous, fence): (Previous, Option<u64>),
 ) -> MysqlLock {
     let farewell = SessionFarewell {
         server: Server::Mysql,
@@ -542,21 +565,31 @@ fn watch(
         target: target.clone(),
         check_sql: check_sql(request),
         release_sql: format!("SELECT RELEASE_LOCK('{}')", request.name.as_str()),
+        released_sql: fence.map(|_| {
+            record_table::mark_sql(
+                request.name.as_str(),
+                &request.holder.id,
+                RecordState::Released,
+            )
+        }),
         timing: CheckTiming::of(request),
     };
     MysqlLock {
-        session: SessionLock::spawn(watcher, conn, farewell, None, asked),
-        target: target.clone(),
+        session: SessionLock::spawn(watcher, conn, farewell, fence, asked),
+        target: Box::new(target.clone()),
         connection_id,
+        previous,
     }
 }
 
 /// A held `GET_LOCK`, and what scheduled runs need to claim windows under it.
 pub struct MysqlLock {
     pub session: SessionLock,
+    /// What the lock record said of the previous holder.
+    pub previous: Previous,
     /// Where scheduled runs record their windows, on a connection of their own: the lock's
     /// connection is busy with the ownership check.
-    target: MysqlTarget,
+    target: Box<MysqlTarget>,
     /// The lock's session, which a window claim proves still holds the lock (`IS_USED_LOCK`).
     connection_id: u32,
 }
@@ -679,6 +712,106 @@ impl MysqlLock {
             Err(_) => Err(no_answer(target, "UPDATE sentinel_guard_windows", limit)),
         }
     }
+}
+
+/// The table of lock records, created on first use in the URL's database: one row per lock name,
+/// written by its holder on its own session (see `record.rs`).
+const LOCKS_TABLE: &str = "CREATE TABLE IF NOT EXISTS sentinel_guard_locks (\
+name VARCHAR(64) NOT NULL PRIMARY KEY, \
+fence BIGINT UNSIGNED NOT NULL, \
+holder VARCHAR(64) NOT NULL, \
+state VARCHAR(16) NOT NULL, \
+bound_ms BIGINT UNSIGNED NOT NULL, \
+updated_at DATETIME(6) NOT NULL)";
+
+/// Reads the lock record the previous holder left and writes this holder's, with the next fencing
+/// token, on the lock's own session right after the grant (before the app can start). Where no
+/// record can be kept (no database in the URL, no CREATE or write grant), every acquisition waits
+/// its own bound, which a warning says once, with what to grant.
+async fn take_record(
+    conn: &mut Conn,
+    target: &MysqlTarget,
+    request: &LockRequest<'_>,
+) -> Result<(Previous, Option<u64>), LockError> {
+    let (name, holder) = (request.name.as_str(), &request.holder.id);
+    let timings = request.timings;
+    let own_bound = timings.detection_bound() + timings.grace_period;
+    let limit = timings.check_timeout;
+    let read = record_table::read_sql(name);
+    let write = format!(
+        "INSERT INTO sentinel_guard_locks (name, fence, holder, state, bound_ms, updated_at) \
+         VALUES ('{name}', LAST_INSERT_ID(1), '{holder}', 'held', {}, NOW(6)) \
+         ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(fence + 1), holder = VALUES(holder), \
+         state = 'held', bound_ms = VALUES(bound_ms), updated_at = VALUES(updated_at)",
+        own_bound.as_millis()
+    );
+    let no_record = record_table::no_record(own_bound);
+    let mut created = false;
+    let found = loop {
+        match timeout(limit, conn.query_first::<(String, u64), _>(&read)).await {
+            Err(_) => return Err(no_answer(target, "SELECT FROM sentinel_guard_locks", limit)),
+            Ok(Ok(found)) => break found,
+            Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_NO_SUCH_TABLE && !created => {
+                created = true;
+                match timeout(limit, conn.query_drop(LOCKS_TABLE)).await {
+                    Ok(Ok(())) => info!(
+                        event = "lock_table_created",
+                        "created table sentinel_guard_locks for lock records"
+                    ),
+                    Ok(Err(mysql_async::Error::Server(e))) => {
+                        record_unavailable(target, &e);
+                        return Ok((no_record, None));
+                    }
+                    Ok(Err(e)) => return Err(setup_error(target, e)),
+                    Err(_) => {
+                        return Err(no_answer(
+                            target,
+                            "CREATE TABLE sentinel_guard_locks",
+                            limit,
+                        ))
+                    }
+                }
+            }
+            Ok(Err(mysql_async::Error::Server(e))) => {
+                record_unavailable(target, &e);
+                return Ok((no_record, None));
+            }
+            Ok(Err(e)) => return Err(setup_error(target, e)),
+        }
+    };
+    match timeout(limit, conn.query_drop(&write)).await {
+        Err(_) => return Err(no_answer(target, "INSERT INTO sentinel_guard_locks", limit)),
+        Ok(Err(mysql_async::Error::Server(e))) => {
+            record_unavailable(target, &e);
+            return Ok((no_record, None));
+        }
+        Ok(Err(e)) => return Err(setup_error(target, e)),
+        Ok(Ok(())) => {}
+    }
+    let found = found
+        .as_ref()
+        .map(|(state, bound)| (state.as_str(), *bound));
+    Ok((
+        record_table::previous(found, own_bound),
+        conn.last_insert_id(),
+    ))
+}
+
+/// Says once why no lock record can be kept, and what an administrator grants to make clean
+/// hand-overs instant again.
+fn record_unavailable(target: &MysqlTarget, e: &mysql_async::ServerError) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        let db = target.opts.db_name().unwrap_or("<database>");
+        let user = target.opts.user().unwrap_or("<user>");
+        warn!(
+            event = "lock_record_unavailable",
+            error = %target.url.scrub(e),
+            "no lock record can be kept, so every acquisition waits the takeover bound before starting the app; \
+             name a database in the URL, and run once as an administrator: {LOCKS_TABLE}; \
+             GRANT SELECT, INSERT, UPDATE ON `{db}`.`sentinel_guard_locks` TO '{user}'@'%';"
+        );
+    });
 }
 
 /// The table of claimed windows, created on first use in the URL's database.
@@ -901,6 +1034,8 @@ struct Watcher {
     target: MysqlTarget,
     check_sql: String,
     release_sql: String,
+    /// Marks the lock record released, where there is one.
+    released_sql: Option<String>,
     timing: CheckTiming,
 }
 
@@ -1032,6 +1167,15 @@ impl SessionWatcher for Watcher {
 
 impl Watcher {
     async fn give_back(&self, mut conn: Conn) -> Result<(), LockError> {
+        // The record first, while the lock is still ours: the next holder starts at once. Only
+        // called once the app's tree is gone.
+        if let Some(sql) = &self.released_sql {
+            match timeout(self.timing.budget, conn.query_drop(sql)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => warn!(event = "lock_record_failed", error = %self.target.url.scrub(e), "cannot mark the lock record released; the next holder waits the takeover bound"),
+                Err(_) => warn!(event = "lock_record_failed", "no answer while marking the lock record released; the next holder waits the takeover bound"),
+            }
+        }
         let released = timeout(
             self.timing.budget,
             conn.query_first::<Option<i64>, _>(&self.release_sql),

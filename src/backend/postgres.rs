@@ -30,6 +30,7 @@ use tokio_postgres::{CancelToken, Client, SimpleQueryMessage};
 use tracing::{debug, info, warn};
 
 use super::farewell::{Server, SessionFarewell};
+use super::record_table;
 use super::watched::{CheckTiming, SessionLock, SessionWatcher, Verdict};
 use super::{
     reopen, Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock, HolderInfo,
@@ -38,6 +39,7 @@ use super::{
 use crate::config::{LockName, PostgresTarget, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
+use crate::record::{Previous, RecordState};
 use crate::window::{Claim, RunEnd, UnixMicros};
 
 use tls::Tls;
@@ -396,21 +398,28 @@ pub async fn acquire(
                         Ok(()) => prove(&session, target, request, key).await,
                         Err(pooler) => Err(pooler),
                     };
-                match proven {
-                    Ok((token, ports)) => {
+                let recorded = match proven {
+                    Ok((token, ports)) => take_record(&session, target, request, token)
+                        .await
+                        .map(|(previous, recorded)| (token, ports, previous, recorded)),
+                    Err(e) => Err(e),
+                };
+                match recorded {
+                    Ok((token, ports, previous, recorded)) => {
                         info!(
                             event = "lock_acquired",
                             backend_pid = session.pid,
                             key,
                             fencing_token = token,
                             session_timeout_secs = timings.session_timeout_secs(),
+                            previous = %previous.reason(),
                             "postgres lock acquired"
                         );
                         return Ok(Acquisition::Acquired(HeldLock::Postgres(watch(
                             session,
                             target,
                             request,
-                            token,
+                            (token, previous, recorded),
                             (sent + chunk, ports),
                         ))));
                     }
@@ -495,6 +504,95 @@ async fn prove(
     Ok((token, number(row, 3).map(|client| (client, server))))
 }
 
+/// The table of lock records (see `record_table`), created on first use in the URL's database (its
+/// default schema).
+const LOCKS_TABLE: &str = "CREATE TABLE IF NOT EXISTS sentinel_guard_locks (\
+name varchar(64) PRIMARY KEY, \
+fence bigint NOT NULL, \
+holder varchar(64) NOT NULL, \
+state varchar(16) NOT NULL, \
+bound_ms bigint NOT NULL, \
+updated_at timestamptz NOT NULL)";
+
+/// Reads the lock record the previous holder left and writes this holder's, with its fencing token,
+/// in one statement on the lock's own session right after the grant (before the app can start);
+/// returns whether this holder's record was written. Where no record can be kept (no CREATE or write
+/// grant), every acquisition waits its own bound, which a warning says once, with what to grant.
+async fn take_record(
+    session: &Session,
+    target: &PostgresTarget,
+    request: &LockRequest<'_>,
+    token: u64,
+) -> Result<(Previous, bool), LockError> {
+    let (name, holder) = (request.name.as_str(), &request.holder.id);
+    let timings = request.timings;
+    let own_bound = timings.detection_bound() + timings.grace_period;
+    let limit = timings.check_timeout;
+    // The CTE's SELECT sees the row as it was before the upsert.
+    let sql = format!(
+        "WITH prev AS ({read}), up AS (INSERT INTO sentinel_guard_locks \
+         (name, fence, holder, state, bound_ms, updated_at) \
+         VALUES ('{name}', {token}, '{holder}', 'held', {bound}, now()) \
+         ON CONFLICT (name) DO UPDATE SET fence = EXCLUDED.fence, holder = EXCLUDED.holder, \
+         state = 'held', bound_ms = EXCLUDED.bound_ms, updated_at = EXCLUDED.updated_at RETURNING 1) \
+         SELECT (SELECT state FROM prev), (SELECT bound_ms FROM prev), (SELECT count(*) FROM up)",
+        read = record_table::read_sql(name),
+        bound = own_bound.as_millis(),
+    );
+    let mut created = false;
+    loop {
+        match query(&session.client, &sql, limit).await {
+            Ok(rows) => {
+                let row = rows.first().map(Vec::as_slice).unwrap_or_default();
+                let state = row.first().cloned().flatten();
+                let found = state.as_deref().zip(number::<u64>(row, 1));
+                return Ok((record_table::previous(found, own_bound), true));
+            }
+            Err(Failure::Db(e)) if e.code() == Some(&SqlState::UNDEFINED_TABLE) && !created => {
+                created = true;
+                match query(&session.client, LOCKS_TABLE, limit).await {
+                    Ok(_) => info!(
+                        event = "lock_table_created",
+                        "created table sentinel_guard_locks for lock records"
+                    ),
+                    Err(Failure::Db(e)) if e.as_db_error().is_some() => {
+                        record_unavailable(target, e);
+                        return Ok((record_table::no_record(own_bound), false));
+                    }
+                    Err(failure) => {
+                        return Err(target.failed(
+                            "CREATE TABLE sentinel_guard_locks",
+                            failure,
+                            limit,
+                        ))
+                    }
+                }
+            }
+            Err(Failure::Db(e)) if e.as_db_error().is_some() => {
+                record_unavailable(target, e);
+                return Ok((record_table::no_record(own_bound), false));
+            }
+            Err(failure) => return Err(target.failed("the lock record", failure, limit)),
+        }
+    }
+}
+
+/// Says once why no lock record can be kept, and what an administrator grants to make clean
+/// hand-overs instant again.
+fn record_unavailable(target: &PostgresTarget, e: tokio_postgres::Error) {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        let user = target.config.get_user().unwrap_or("<user>");
+        warn!(
+            event = "lock_record_unavailable",
+            error = %target.explain(e),
+            "no lock record can be kept, so every acquisition waits the takeover bound before starting the app; \
+             run once as an administrator in the URL's database: {LOCKS_TABLE}; \
+             GRANT SELECT, INSERT, UPDATE ON sentinel_guard_locks TO {user};"
+        );
+    });
+}
+
 /// Who holds `name` now, without taking it.
 pub async fn status(
     target: &PostgresTarget,
@@ -561,6 +659,12 @@ pub fn end_session(farewell: &SessionFarewell) -> Result<String, String> {
             .await
             .map_err(|e| e.to_string())?;
         let pid = farewell.session_id;
+        // The tree is gone (the watchdog says farewell only then): a record still held by the dead
+        // guard says so. One the next holder wrote is not the dead guard's, and is left alone.
+        let mark = record_table::mark_sql(&farewell.name, &farewell.holder_id, RecordState::TreeGone);
+        if query(&client, &mark, farewell.timeout).await.is_err() {
+            debug!("the dead guard's lock record could not be marked tree_gone");
+        }
         let sql = format!(
             "SELECT pg_terminate_backend(l.pid) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
              WHERE {} AND l.pid = {pid} AND a.application_name = '{}'",
@@ -592,7 +696,7 @@ fn watch(
     session: Session,
     target: &PostgresTarget,
     request: &LockRequest<'_>,
-    fencing_token: u64,
+    (fencing_token, previous, recorded): (u64, Previous, bool),
     asked: (Deadline, Option<(u16, u16)>),
 ) -> PostgresLock {
     let key = lock_key(request.name);
@@ -612,9 +716,17 @@ fn watch(
         target: target.clone(),
         cancel: session.client.cancel_token(),
         check_sql: check_sql(request, key),
+        released_sql: recorded.then(|| {
+            record_table::mark_sql(
+                request.name.as_str(),
+                &request.holder.id,
+                RecordState::Released,
+            )
+        }),
         timing: CheckTiming::of(request),
     };
     PostgresLock {
+        previous,
         pid: session.pid,
         target: Box::new(target.clone()),
         session: SessionLock::spawn(
@@ -630,6 +742,8 @@ fn watch(
 /// A held advisory lock, and what scheduled runs need to claim windows under it.
 pub struct PostgresLock {
     pub session: SessionLock,
+    /// What the lock record said of the previous holder.
+    pub previous: Previous,
     /// Where scheduled runs record their windows, on a connection of their own: the lock's
     /// connection is busy with the ownership check.
     target: Box<PostgresTarget>,
@@ -870,6 +984,8 @@ struct Watcher {
     target: PostgresTarget,
     cancel: CancelToken,
     check_sql: String,
+    /// Marks the lock record released, where one was written.
+    released_sql: Option<String>,
     timing: CheckTiming,
 }
 
@@ -1012,6 +1128,17 @@ impl CancelStream {
 
 impl Watcher {
     async fn give_back(&self, client: Client) -> Result<(), LockError> {
+        // The record first, while the lock is still ours: the next holder starts at once. Only
+        // called once the app's tree is gone.
+        if let Some(sql) = &self.released_sql {
+            if let Err(failure) = query(&client, sql, self.timing.budget).await {
+                let error = match failure {
+                    Failure::Db(e) => self.target.explain(e),
+                    Failure::Timeout => "no answer".to_owned(),
+                };
+                warn!(event = "lock_record_failed", error = %error, "cannot mark the lock record released; the next holder waits the takeover bound");
+            }
+        }
         let sql = format!("SELECT pg_advisory_unlock({})", self.key);
         match query(&client, &sql, self.timing.budget).await {
             Ok(rows) if rows.first().is_some_and(|row| is_true(row, 0)) => info!(

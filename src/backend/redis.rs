@@ -39,12 +39,19 @@ use crate::config::{LockName, RedisServers, RedisTarget, Timings};
 use crate::deadline::{self, Deadline};
 use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
+use crate::record::Previous;
 use crate::window::{Claim, UnixMicros, WindowOutcome};
 
-/// The value is `<token> fence=<n> <holder>`; the token is its first word. Returns `{fence, clean}`:
-/// fence 0 when held by another token; clean 1 only when the previous lease was released by its owner
-/// (its fence is the one recorded in the clean key). A missing counter means a first acquisition or
-/// a server that lost its data: nobody can tell which, so it does not count as clean.
+/// KEYS: lock, fence counter, clean marker, lease record. ARGV: token, holder, ttl (ms), this
+/// holder's "app dead by" bound (ms).
+///
+/// The value is `<token> fence=<n> <holder>`; the token is its first word. Returns `{fence,
+/// previous, bound}`: fence 0 when held by another token. `previous` is 1 when the previous lease
+/// was released by its owner (its fence is the one recorded in the clean key), 2 when it ran out:
+/// the lease record (`<fence> <expiry µs> <bound ms>`, written at every grant and renewal) says its
+/// expiry has passed on the server's clock, so its holder's app was dead by then; else 0, with the
+/// bound that holder recorded (0: none), as after a `DEL` of a live lease. A missing counter means a
+/// first acquisition or a server that lost its data: nobody can tell which, so it counts as 0.
 ///
 /// Fencing tokens never go backwards, even when the server loses its data or a failover loses the
 /// newest increments: each token is the counter + 1 or the server's clock in microseconds (`TIME`),
@@ -56,26 +63,47 @@ local current = redis.call('GET', KEYS[1])
 if current then
   if string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
-    return {tonumber(string.match(current, ' fence=(%d+)')), 0}
+    local fence = string.match(current, ' fence=(%d+)')
+    local now = redis.call('TIME')
+    local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
+    redis.call('SET', KEYS[4], fence .. ' ' .. string.format('%.0f', micros + tonumber(ARGV[3]) * 1000) .. ' ' .. ARGV[4])
+    return {tonumber(fence), 0, 0}
   end
-  return {0, 0}
-end
-local previous = redis.call('GET', KEYS[2])
-local clean = 0
-if previous and previous == redis.call('GET', KEYS[3]) then
-  clean = 1
+  return {0, 0, 0}
 end
 local now = redis.call('TIME')
-local fence = math.max(tonumber(previous or '0') + 1, tonumber(now[1]) * 1000000 + tonumber(now[2]))
-redis.call('SET', KEYS[2], string.format('%.0f', fence))
--- Lua would print a number this large as 1.79e+15: the record keeps every digit.
-redis.call('SET', KEYS[1], ARGV[1] .. ' fence=' .. string.format('%.0f', fence) .. ' ' .. ARGV[2], 'NX', 'PX', ARGV[3])
-return {fence, clean}
+local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local previous = redis.call('GET', KEYS[2])
+local status, bound = 0, 0
+if previous and previous == redis.call('GET', KEYS[3]) then
+  status = 1
+elseif previous then
+  local f, expiry, b = string.match(redis.call('GET', KEYS[4]) or '', '^(%d+) (%d+) (%d+)$')
+  if f == previous then
+    bound = tonumber(b)
+    if tonumber(expiry) <= micros then
+      status = 2
+    end
+  end
+end
+local fence = math.max(tonumber(previous or '0') + 1, micros)
+-- Lua would print a number this large as 1.79e+15: the records keep every digit.
+local fenced = string.format('%.0f', fence)
+redis.call('SET', KEYS[2], fenced)
+redis.call('SET', KEYS[1], ARGV[1] .. ' fence=' .. fenced .. ' ' .. ARGV[2], 'NX', 'PX', ARGV[3])
+redis.call('SET', KEYS[4], fenced .. ' ' .. string.format('%.0f', micros + tonumber(ARGV[3]) * 1000) .. ' ' .. ARGV[4])
+return {fence, status, bound}
 ";
 
+/// KEYS: lock, lease record. ARGV: token, ttl (ms), fence, this holder's bound (ms). The lease
+/// record follows the lease's expiry, so the next holder can tell a lease that ran out from one
+/// taken away.
 const RENEW: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
+  local now = redis.call('TIME')
+  local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  redis.call('SET', KEYS[2], ARGV[3] .. ' ' .. string.format('%.0f', micros + tonumber(ARGV[2]) * 1000) .. ' ' .. ARGV[4])
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
@@ -154,6 +182,8 @@ struct Keys {
     fence: String,
     /// The fencing token of the last lease its owner released (rather than left to expire).
     clean: String,
+    /// The last lease's fencing token, expiry on the server's clock, and its holder's bound.
+    lease: String,
     /// Pub/sub channel on which a release is announced.
     released: String,
     /// The last window claimed by a scheduled run, and by whom.
@@ -166,6 +196,7 @@ impl Keys {
         Keys {
             fence: format!("{lock}:fence"),
             clean: format!("{lock}:clean"),
+            lease: format!("{lock}:lease"),
             released: format!("{lock}:released"),
             window: format!("{lock}:window"),
             lock,
@@ -447,6 +478,12 @@ fn no_answer(target: &RedisTarget, limit: Duration) -> LockError {
     ))
 }
 
+/// How long after its lease is taken away this holder's app may still run: until its deadline, at
+/// most the lease's validity after the last renewal it sent, then the grace period.
+fn bound(timings: &Timings) -> Duration {
+    timings.ttl + timings.grace_period
+}
+
 fn millis(d: Duration) -> u64 {
     d.as_millis().try_into().unwrap_or(u64::MAX)
 }
@@ -455,7 +492,7 @@ enum Attempt {
     Won {
         conn: Conn,
         fence: i64,
-        clean: bool,
+        previous: Previous,
         sent: Deadline,
     },
     Held {
@@ -499,9 +536,11 @@ pub async fn acquire(
     invocation
         .key(&keys.fence)
         .key(&keys.clean)
+        .key(&keys.lease)
         .arg(&token)
         .arg(request.holder.to_string())
-        .arg(millis(timings.ttl));
+        .arg(millis(timings.ttl))
+        .arg(millis(bound(&timings)));
     // Subscribed before the first attempt, so a release in between is not missed.
     let mut releases = match patience {
         Patience::None => None,
@@ -516,7 +555,7 @@ pub async fn acquire(
             Ok(Attempt::Won {
                 conn,
                 fence,
-                clean,
+                previous,
                 sent,
             }) => {
                 info!(
@@ -526,13 +565,14 @@ pub async fn acquire(
                     topology = target.topology(),
                     min_replicas = target.min_replicas,
                     ttl = %humantime::format_duration(timings.ttl),
-                    previous_release = if clean { "clean" } else { "expired" },
+                    previous = %previous.reason(),
                     "redis lease acquired"
                 );
                 let lease = Lease {
                     target: target.clone(),
                     keys: keys.clone(),
                     token: token.clone(),
+                    fence,
                     conn: Some(conn),
                     timings,
                     valid_until: sent + timings.redis_lease_validity(),
@@ -543,7 +583,7 @@ pub async fn acquire(
                     keys: Box::new(keys),
                     token,
                     fence,
-                    clean,
+                    previous,
                     watched: WatchedLock::spawn(lease.valid_until, |ends| lease.run(sent, ends)),
                 })));
             }
@@ -610,9 +650,9 @@ async fn attempt(
         },
     };
     let sent = Deadline::now();
-    let (fence, clean) = match timeout(
+    let (fence, previous, recorded) = match timeout(
         timings.check_timeout,
-        invocation.invoke_async::<(i64, i64)>(&mut conn),
+        invocation.invoke_async::<(i64, i64, u64)>(&mut conn),
     )
     .await
     {
@@ -636,10 +676,27 @@ async fn attempt(
                 });
             }
         }
+        // A failover may lose the newest writes, among them an acquisition made after the release
+        // or the renewal the records show: they prove nothing then (`release_marker_survives_failover`).
+        let previous = match previous {
+            1 if target.release_marker_survives_failover() => Previous::Gone("released"),
+            2 if target.release_marker_survives_failover() => Previous::Expired,
+            _ => Previous::MayRun {
+                bound: match recorded {
+                    0 => bound(timings),
+                    ms => Duration::from_millis(ms),
+                },
+                why: if recorded == 0 {
+                    "no_record"
+                } else {
+                    "taken_away"
+                },
+            },
+        };
         return Ok(Attempt::Won {
             conn,
             fence,
-            clean: clean == 1 && target.release_marker_survives_failover(),
+            previous,
             sent,
         });
     }
@@ -770,13 +827,13 @@ pub struct RedisLock {
     keys: Box<Keys>,
     token: String,
     fence: i64,
-    clean: bool,
+    previous: Previous,
     watched: WatchedLock,
 }
 
 impl RedisLock {
-    pub fn previous_release_was_clean(&self) -> bool {
-        self.clean
+    pub fn previous(&self) -> Previous {
+        self.previous
     }
 
     pub fn fencing_token(&self) -> i64 {
@@ -937,6 +994,8 @@ struct Lease {
     target: RedisTarget,
     keys: Keys,
     token: String,
+    /// Written with each renewal into the lease record.
+    fence: i64,
     /// Dropped after any error or timeout: a connection in an unknown state is never reused.
     conn: Option<Conn>,
     timings: Timings,
@@ -1036,7 +1095,12 @@ impl Lease {
         }
         let renew = Script::new(RENEW);
         let mut invocation = renew.key(&self.keys.lock);
-        invocation.arg(&self.token).arg(millis(self.timings.ttl));
+        invocation
+            .key(&self.keys.lease)
+            .arg(&self.token)
+            .arg(millis(self.timings.ttl))
+            .arg(self.fence)
+            .arg(millis(bound(&self.timings)));
         let result = match self.bounded(&invocation).await {
             Ok(1) if self.target.min_replicas > 0 => self.replicated(sent).await.map(|()| 1),
             answered => answered,
