@@ -6,7 +6,7 @@
 mod common;
 
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -50,6 +50,20 @@ fn args<'a>(backend: &Backend, url: &'a str) -> Vec<&'a str> {
     args
 }
 
+/// A leader whose slow app runs, and a `--wait` standby behind it: (leader, standby, the shared
+/// trace, the standby app's pid file).
+fn leader_and_standby(
+    lab: &mut Lab,
+    args: &[&str],
+) -> (GuardProcess, GuardProcess, PathBuf, PathBuf) {
+    let trace = lab.path("trace");
+    let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
+    let leader = lab.spawn(args, &as_strs(&slow_app(&trace, &lead_pid)));
+    read_pid(&lead_pid, Duration::from_secs(20));
+    let standby = waiting_standby(lab, args, &as_strs(&slow_app(&trace, &standby_pid)));
+    (leader, standby, trace, standby_pid)
+}
+
 #[test]
 fn a_lock_taken_away_never_runs_two_apps_and_a_clean_release_hands_over_at_once() {
     for backend in Backend::all() {
@@ -65,12 +79,7 @@ fn a_lock_taken_away_never_runs_two_apps_and_a_clean_release_hands_over_at_once(
         let mut lab = Lab::new();
         let url = backend.url();
         let args = args(&backend, &url);
-        let trace = lab.path("trace");
-        let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
-        let mut leader = lab.spawn(&args, &as_strs(&slow_app(&trace, &lead_pid)));
-        read_pid(&lead_pid, Duration::from_secs(20));
-        let mut standby =
-            waiting_standby(&mut lab, &args, &as_strs(&slow_app(&trace, &standby_pid)));
+        let (mut leader, mut standby, trace, standby_pid) = leader_and_standby(&mut lab, &args);
 
         take_away(&backend);
         assert_eq!(
@@ -130,11 +139,7 @@ fn without_a_lock_record_every_acquisition_waits_and_says_so_once() {
     let mut lab = Lab::new();
     let url = backend.url();
     let args = args(&backend, &url);
-    let trace = lab.path("trace");
-    let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
-    let mut leader = lab.spawn(&args, &as_strs(&slow_app(&trace, &lead_pid)));
-    read_pid(&lead_pid, Duration::from_secs(20));
-    let mut standby = waiting_standby(&mut lab, &args, &as_strs(&slow_app(&trace, &standby_pid)));
+    let (mut leader, mut standby, trace, standby_pid) = leader_and_standby(&mut lab, &args);
     leader.signal(15);
     assert_eq!(leader.code(Duration::from_secs(20)), 0);
     read_pid(&standby_pid, Duration::from_secs(20));
