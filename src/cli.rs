@@ -134,7 +134,7 @@ pub struct Cli {
     #[arg(
         long,
         env = "SENTINEL_GUARD_TAKEOVER_DELAY",
-        default_value = "0s",
+        default_value = "auto",
         value_name = "auto|DUR"
     )]
     pub takeover_delay: String,

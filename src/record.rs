@@ -37,16 +37,74 @@ impl RecordState {
     }
 }
 
+/// A fencing token as a record keeps it: the token, and the backend's clock (microseconds since the
+/// epoch) when it was drawn. Every backend draws `max(previous token + 1, clock)`, so a token is
+/// never below the clock it was drawn at, and a counter that lost its rows, its file or its keys
+/// resumes above every token it gave out (unless the backend's clock went back meanwhile).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fence {
+    pub token: u64,
+    pub drawn_us: u64,
+}
+
+impl Fence {
+    /// The token that follows `previous`, drawn at `now_us`.
+    pub fn next(previous: Option<Fence>, now_us: u64) -> Fence {
+        Fence {
+            token: previous
+                .map_or(0, |p| p.token.saturating_add(1))
+                .max(now_us),
+            drawn_us: now_us,
+        }
+    }
+
+    /// A record whose token is below the clock it says it was drawn at was not written by a
+    /// holder: the counter was set back (by hand, a restore, a copied file). Its state proves
+    /// nothing, and tokens drawn from it could repeat, so no holder starts on it.
+    pub fn set_back(self) -> bool {
+        self.token < self.drawn_us
+    }
+
+    /// What is wrong with a set-back record, for `set_back_error`.
+    pub fn set_back_detail(self) -> String {
+        format!(
+            "its record holds token {} but says it was drawn when the clock read {} µs",
+            self.token, self.drawn_us
+        )
+    }
+}
+
+/// Why no app is started on a record whose counter was set back: for `LockError::Unsafe`.
+pub fn set_back_error(lock: &str, detail: &str, remedy: &str) -> String {
+    format!(
+        "the fencing counter of lock {lock} was set back: {detail}, so the record was not written \
+         by a holder (edited, restored from a backup or copied); tokens drawn from it could repeat \
+         and its state proves nothing, so the app is not started. {remedy}"
+    )
+}
+
+/// What `status` shows of a lock's record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordFacts {
+    pub state: RecordState,
+    pub token: u64,
+}
+
+impl RecordFacts {
+    pub fn facts(self) -> Vec<(&'static str, String)> {
+        vec![
+            ("record_state", self.state.as_str().to_string()),
+            ("fencing_token", self.token.to_string()),
+        ]
+    }
+}
+
 /// What a new holder knows of the one before it, from the record it found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Previous {
     /// Nothing of the previous holder's app can be running: the record says so, or there was none
     /// before (why, for the log).
     Gone(&'static str),
-    /// The previous holder's lease ran out on the server's clock, after its guard's deadline: its
-    /// app was stopped by then, unless its whole tree was frozen (then it dies within milliseconds
-    /// of the thaw). `auto` starts at once; a fixed delay is still waited.
-    Expired,
     /// The lock may have been taken away from a holder whose app is still stopping: it is dead at
     /// most `bound` after the lock was freed, so at most `bound` after this acquisition (why, for
     /// the log).
@@ -58,7 +116,16 @@ impl Previous {
     pub fn reason(self) -> &'static str {
         match self {
             Previous::Gone(why) | Previous::MayRun { why, .. } => why,
-            Previous::Expired => "expired",
+        }
+    }
+
+    /// A record from another server than the one that granted this lock (a failover, a replica
+    /// promoted, a restarted server), which may have lost newer writes: it proves nothing, and the
+    /// previous holder's app may run for the larger of its recorded bound and ours.
+    pub fn other_server(recorded: Duration, own_bound: Duration) -> Previous {
+        Previous::MayRun {
+            bound: recorded.max(own_bound),
+            why: "other_server",
         }
     }
 
@@ -106,5 +173,28 @@ mod tests {
             Previous::from_record(RecordState::TreeGone, bound),
             Previous::Gone(_)
         ));
+    }
+
+    #[test]
+    fn tokens_grow_past_the_counter_and_the_clock_and_a_token_below_its_clock_is_set_back() {
+        let first = Fence::next(None, 1_000);
+        assert_eq!(first.token, 1_000);
+        assert!(!first.set_back());
+        // Drawn within the same microsecond as the last one: the counter decides.
+        assert_eq!(Fence::next(Some(first), 1_000).token, 1_001);
+        // The clock ahead of the counter (a lost row, a long pause): the clock decides.
+        assert_eq!(Fence::next(Some(first), 5_000).token, 5_000);
+        // Behind the clock that drew it: edited by hand.
+        assert!(Fence {
+            token: 5,
+            drawn_us: 1_000
+        }
+        .set_back());
+        let set_back = Fence {
+            token: 5,
+            drawn_us: 9,
+        };
+        let message = set_back_error("billing", &set_back.set_back_detail(), "delete it");
+        assert!(message.contains("lock billing") && message.contains("token 5"));
     }
 }

@@ -659,8 +659,7 @@ impl Guard<'_> {
             (TakeoverDelay::Fixed(delay), _) if !held.released_cleanly() => {
                 (delay, previous.reason())
             }
-            (TakeoverDelay::Fixed(_), _)
-            | (TakeoverDelay::Auto, Previous::Gone(_) | Previous::Expired) => {
+            (TakeoverDelay::Fixed(_), _) | (TakeoverDelay::Auto, Previous::Gone(_)) => {
                 let reason = previous.reason();
                 info!(
                     event = "takeover_delay_skipped",

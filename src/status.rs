@@ -9,6 +9,7 @@ use crate::backend::{self, HolderInfo};
 use crate::cli::OutputFormat;
 use crate::config::StatusConfig;
 use crate::outcome::{EXIT_UNAVAILABLE, EXIT_USAGE};
+use crate::record::RecordFacts;
 use crate::window::Claim;
 
 pub const EXIT_HELD: u8 = 0;
@@ -39,7 +40,21 @@ pub async fn run(config: &StatusConfig) -> u8 {
                     None
                 }
             };
-            print_line(&render(config, holder.as_ref(), claim.as_ref()));
+            let record = match backend::last_record(
+                &config.target,
+                &config.name,
+                config.connect_timeout,
+                config.check_timeout,
+            )
+            .await
+            {
+                Ok(record) => record,
+                Err(e) => {
+                    eprintln!("sentinel-guard: warning: cannot read the lock record: {e}");
+                    None
+                }
+            };
+            print_line(&render(config, holder.as_ref(), record, claim.as_ref()));
             if holder.is_some() {
                 EXIT_HELD
             } else {
@@ -70,8 +85,20 @@ fn print_line(line: &str) {
     }
 }
 
-fn render(config: &StatusConfig, holder: Option<&HolderInfo>, claim: Option<&Claim>) -> String {
+fn render(
+    config: &StatusConfig,
+    holder: Option<&HolderInfo>,
+    record: Option<RecordFacts>,
+    claim: Option<&Claim>,
+) -> String {
     let claim_facts = claim.map(Claim::facts).unwrap_or_default();
+    // The Redis holder already names its lease's token.
+    let record_facts: Vec<_> = record
+        .map(RecordFacts::facts)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(key, _)| !holder.is_some_and(|h| h.fields().iter().any(|(k, _)| k == key)))
+        .collect();
     let state = if holder.is_some() { "held" } else { "free" };
     let key = backend::lock_key(&config.target, &config.name);
     match config.format {
@@ -89,7 +116,7 @@ fn render(config: &StatusConfig, holder: Option<&HolderInfo>, claim: Option<&Cla
                 line.push(' ');
                 line.push_str(&holder.to_string());
             }
-            for (key, value) in &claim_facts {
+            for (key, value) in record_facts.iter().chain(&claim_facts) {
                 line.push_str(&format!(" {key}={value}"));
             }
             line
@@ -109,6 +136,7 @@ fn render(config: &StatusConfig, holder: Option<&HolderInfo>, claim: Option<&Cla
                 "url": config.target.location(),
                 "state": state,
                 "holder": holder.map(|h| object(h.fields())),
+                "record": record.map(|_| object(&record_facts)),
                 "last_window": claim.map(|_| object(&claim_facts)),
             });
             if let Some(key) = key {

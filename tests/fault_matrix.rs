@@ -1,6 +1,6 @@
 //! The no-overlap proof: every fault, on every backend it applies to, for several rounds.
 //!
-//! Each round runs a leader and a `--wait --takeover-delay` standby, both running an app that records
+//! Each round runs a leader and a `--wait` standby with default flags, both running an app that records
 //! its start and stop in a shared trace and takes 500ms to stop. Then it injects one fault, measures
 //! how long until the leader's app is dead (detect) and until the standby's app starts (takeover),
 //! heals the fault, stops everything and checks: no two app lifetimes overlap, no app or guard
@@ -19,8 +19,6 @@ use common::postgres::Postgres;
 use common::proxy::Proxy;
 use common::redis::Redis;
 use common::*;
-
-const TAKEOVER_DELAY: &str = "3s";
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Kind {
@@ -51,6 +49,9 @@ enum Fault {
     ServerKill,
     ServerFreeze,
     ServerRestart,
+    /// Redis restarted from a snapshot taken before the leader's lease, which holds an earlier
+    /// holder's clean release.
+    StaleSnapshot,
     ConnectionKill,
     ClientKill,
     KeyDelete,
@@ -147,8 +148,22 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
         v
     };
     let leader_args = args(&leader_url, &[]);
-    let standby_args = args(&direct, &["--takeover-delay", TAKEOVER_DELAY]);
+    // The default takeover setting (`auto`): the record decides whether the standby waits.
+    let standby_args = args(&direct, &[]);
     let cgroup = (fault == Fault::TreeFreeze).then(Freezer::create);
+    if fault == Fault::StaleSnapshot {
+        let Backend::Redis(redis) = &backend else {
+            unreachable!()
+        };
+        let mut earlier = lab.spawn(&as_strs(&leader_args), &["true"]);
+        assert_eq!(
+            earlier.code(Duration::from_secs(10)),
+            0,
+            "{}",
+            earlier.log_text()
+        );
+        redis.cli(&["SAVE"]);
+    }
     let leader_cmd = lab.command(
         &as_strs(&leader_args),
         &as_strs(&slow_stopping_app(&trace, &lead_pid)),
@@ -178,7 +193,7 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
             Backend::File(_) => unreachable!(),
         },
         Fault::ServerFreeze => signal_server(&backend, 19),
-        Fault::ServerRestart => match &mut backend {
+        Fault::ServerRestart | Fault::StaleSnapshot => match &mut backend {
             Backend::Mysql(db) => db.restart(),
             Backend::Postgres(db) => db.restart(),
             Backend::Redis(redis) => redis.restart(),
@@ -430,6 +445,17 @@ fn server_restart() {
             (Kind::Postgres, STOPS_AND_HANDS_OVER),
             (Kind::Redis, STOPS_AND_HANDS_OVER),
         ],
+    );
+}
+
+#[test]
+fn redis_restarted_from_a_stale_snapshot() {
+    // The snapshot's release marker is an earlier holder's: it must not let the standby start while
+    // the leader's app still stops.
+    row(
+        Fault::StaleSnapshot,
+        "Redis restarted from an older snapshot (an earlier clean release in it)",
+        &[(Kind::Redis, STOPS_AND_HANDS_OVER)],
     );
 }
 

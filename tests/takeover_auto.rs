@@ -1,7 +1,8 @@
-//! `--takeover-delay auto`: when the backend takes the lock away (a DBA's KILL, a terminated
-//! backend, a deleted key or lock file), a standby waits the bound the old holder recorded, so the
-//! old app, which takes its time to stop, is dead before the new one starts; after a clean release
-//! the lock record says so and the standby starts at once.
+//! `--takeover-delay auto`, the default: when the backend takes the lock away (a DBA's KILL, a
+//! terminated backend, a deleted key or lock file), a standby waits the bound the old holder
+//! recorded, so the old app, which takes its time to stop, is dead before the new one starts; after
+//! a clean release the lock record says so and the standby starts at once. Fencing tokens grow over
+//! every acquisition, and a counter set back by hand stops the guard with exit 69.
 
 mod common;
 
@@ -13,18 +14,48 @@ use common::*;
 
 const NAME: &str = "auto";
 
-/// Records `start`, then on SIGTERM takes 0.7s to stop (within every fast grace period) before it records `stop`.
+/// Records `start` (and its fencing token beside the trace), then on SIGTERM takes 0.7s to stop
+/// (within every fast grace period) before it records `stop`.
 fn slow_app(trace: &Path, pidfile: &Path) -> Vec<String> {
     let script = format!(
         "trap 'sleep 0.7; echo stop $$ >> {trace}; exit 0' TERM; echo start $$ >> {trace}; \
+         echo $SENTINEL_GUARD_FENCING_TOKEN >> {tokens}; \
          echo $$ > {pid}.tmp && mv {pid}.tmp {pid}; while :; do sleep 0.05; done",
         pid = pidfile.display(),
-        trace = trace.display()
+        trace = trace.display(),
+        tokens = tokens_of(trace).display(),
     );
     vec!["sh".into(), "-c".into(), script]
 }
 
+/// Where the apps of a trace write their fencing tokens.
+fn tokens_of(trace: &Path) -> PathBuf {
+    trace.with_extension("tokens")
+}
+
+/// The tokens the apps were given, in order; each a number.
+fn tokens(trace: &Path) -> Vec<u64> {
+    fs::read_to_string(tokens_of(trace))
+        .unwrap_or_default()
+        .lines()
+        .map(|line| line.parse().unwrap_or_else(|_| panic!("token {line:?}")))
+        .collect()
+}
+
+fn assert_growing(tokens: &[u64], backend: &Backend) {
+    assert!(
+        tokens.windows(2).all(|pair| pair[0] < pair[1]),
+        "{}: fencing tokens {tokens:?}",
+        backend.name()
+    );
+}
+
 fn take_away(backend: &Backend) {
+    take_away_at(backend, &backend.url());
+}
+
+/// Takes the lock of the guard at `url` away.
+fn take_away_at(backend: &Backend, url: &str) {
     match backend {
         Backend::Mysql(db) => {
             let id = db.holder_of(NAME).expect("the leader holds the lock");
@@ -38,14 +69,14 @@ fn take_away(backend: &Backend) {
             redis.cli(&["DEL", &format!("sentinel-guard:{{{NAME}}}")]);
         }
         Backend::File(_) => {
-            let url = backend.url();
             fs::remove_file(url.trim_start_matches("file://")).unwrap();
         }
     }
 }
 
+/// Default takeover settings: no `--takeover-delay`.
 fn args<'a>(backend: &Backend, url: &'a str) -> Vec<&'a str> {
-    let mut args = vec!["--url", url, "--name", NAME, "--takeover-delay", "auto"];
+    let mut args = vec!["--url", url, "--name", NAME];
     args.extend(backend.fast_args());
     args
 }
@@ -67,15 +98,6 @@ fn leader_and_standby(
 #[test]
 fn a_lock_taken_away_never_runs_two_apps_and_a_clean_release_hands_over_at_once() {
     for backend in Backend::all() {
-        if let Backend::Postgres(db) = &backend {
-            // PostgreSQL 15 and later give an ordinary role no CREATE in `public`: the table is made
-            // by an administrator, as the guard's warning says (`lock_record_unavailable`).
-            db.sql(
-                "CREATE TABLE sentinel_guard_locks (name varchar(64) PRIMARY KEY, fence bigint NOT NULL, \
-                 holder varchar(64) NOT NULL, state varchar(16) NOT NULL, bound_ms bigint NOT NULL, \
-                 updated_at timestamptz NOT NULL); GRANT SELECT, INSERT, UPDATE ON sentinel_guard_locks TO guard",
-            );
-        }
         let mut lab = Lab::new();
         let url = backend.url();
         let args = args(&backend, &url);
@@ -129,31 +151,146 @@ fn a_lock_taken_away_never_runs_two_apps_and_a_clean_release_hands_over_at_once(
         assert_eq!(assert_no_overlap(&trace), 3, "{}", backend.name());
         third.signal(15);
         assert_eq!(third.code(Duration::from_secs(20)), 0);
+        let given = tokens(&trace);
+        assert_eq!(given.len(), 3, "{}: {given:?}", backend.name());
+        assert_growing(&given, &backend);
     }
 }
 
 #[test]
 fn without_a_lock_record_every_acquisition_waits_and_says_so_once() {
-    // PostgreSQL's ordinary role may not create the table: the fallback.
-    let backend = Backend::Postgres(common::postgres::Postgres::start());
-    let mut lab = Lab::new();
-    let url = backend.url();
-    let args = args(&backend, &url);
-    let (mut leader, mut standby, trace, standby_pid) = leader_and_standby(&mut lab, &args);
-    leader.signal(15);
-    assert_eq!(leader.code(Duration::from_secs(20)), 0);
-    read_pid(&standby_pid, Duration::from_secs(20));
-    assert_eq!(assert_no_overlap(&trace), 2);
-    let log = standby.log_text();
-    assert_eq!(
-        log.matches("event=\"lock_record_unavailable\"").count(),
-        1,
-        "{log}"
+    // A PostgreSQL role without CREATE in `public` (PostgreSQL 15's default); a MySQL account with
+    // every grant on its database but CREATE.
+    let mysql = common::mariadb::MariaDb::start();
+    mysql.sql(
+        "CREATE DATABASE app; CREATE USER 'nocreate'@'%' IDENTIFIED BY 'nocreate-pw'; \
+         GRANT SELECT, INSERT, UPDATE, DELETE ON app.* TO 'nocreate'@'%'",
     );
-    assert!(
-        log.contains("event=\"takeover_delayed\" reason=no_record"),
-        "{log}"
-    );
-    standby.signal(15);
-    assert_eq!(standby.code(Duration::from_secs(20)), 0);
+    let mysql_url = format!("mysql://nocreate:nocreate-pw@127.0.0.1:{}/app", mysql.port);
+    let postgres = common::postgres::Postgres::start();
+    postgres.sql("REVOKE CREATE ON SCHEMA public FROM guard");
+    let postgres = Backend::Postgres(postgres);
+    let postgres_url = postgres.url();
+    let mysql = Backend::Mysql(mysql);
+    for (backend, url) in [(&postgres, &postgres_url), (&mysql, &mysql_url)] {
+        let mut lab = Lab::new();
+        let args = args(backend, url);
+        let (mut leader, mut standby, trace, standby_pid) = leader_and_standby(&mut lab, &args);
+        take_away_at(backend, url);
+        assert_eq!(
+            leader.code(Duration::from_secs(20)),
+            75,
+            "{}: {}",
+            backend.name(),
+            leader.log_text()
+        );
+        read_pid(&standby_pid, Duration::from_secs(30));
+        assert_eq!(assert_no_overlap(&trace), 2, "{}", backend.name());
+        let log = standby.log_text();
+        assert_eq!(
+            log.matches("event=\"lock_record_unavailable\"").count(),
+            1,
+            "{}: {log}",
+            backend.name()
+        );
+        assert!(
+            log.contains("event=\"takeover_delayed\" reason=no_record"),
+            "{}: {log}",
+            backend.name()
+        );
+        standby.signal(15);
+        assert_eq!(standby.code(Duration::from_secs(20)), 0);
+        // Without a record the token is the server's clock: it still grows.
+        assert_growing(&tokens(&trace), backend);
+    }
+}
+
+/// Sets the lock's fencing counter back to 5, as a restore from an old backup would.
+fn set_back(backend: &Backend) {
+    match backend {
+        Backend::Mysql(db) => {
+            db.sql(&format!(
+                "UPDATE mysql.sentinel_guard_locks SET fence = 5 WHERE name = '{NAME}'"
+            ));
+        }
+        Backend::Postgres(db) => {
+            db.sql(&format!(
+                "UPDATE sentinel_guard_locks SET fence = 5 WHERE name = '{NAME}'"
+            ));
+        }
+        Backend::Redis(redis) => {
+            redis.cli(&["SET", &format!("sentinel-guard:{{{NAME}}}:fence"), "5"]);
+        }
+        Backend::File(_) => {
+            let path = backend.url();
+            let path = path.trim_start_matches("file://");
+            let text = fs::read_to_string(path).unwrap();
+            let start = text.find(" fence=").expect("a lock line") + " fence=".len();
+            let end = start + text[start..].find(' ').unwrap();
+            fs::write(path, format!("{}5{}", &text[..start], &text[end..])).unwrap();
+        }
+    }
+}
+
+/// Deletes the lock's record, as the set-back error says to.
+fn delete_record(backend: &Backend) {
+    match backend {
+        Backend::Mysql(db) => {
+            db.sql(&format!(
+                "DELETE FROM mysql.sentinel_guard_locks WHERE name = '{NAME}'"
+            ));
+        }
+        Backend::Postgres(db) => {
+            db.sql(&format!(
+                "DELETE FROM sentinel_guard_locks WHERE name = '{NAME}'"
+            ));
+        }
+        Backend::Redis(redis) => {
+            let lock = format!("sentinel-guard:{{{NAME}}}");
+            redis.cli(&["DEL", &format!("{lock}:clean"), &format!("{lock}:lease")]);
+        }
+        Backend::File(_) => {
+            let path = backend.url();
+            fs::remove_file(path.trim_start_matches("file://")).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_fencing_counter_set_back_by_hand_starts_no_app_and_exits_69() {
+    for backend in Backend::all() {
+        let mut lab = Lab::new();
+        let url = backend.url();
+        let args = args(&backend, &url);
+        let tokens = lab.path("tokens");
+        let app = format!("echo $SENTINEL_GUARD_FENCING_TOKEN >> {}", tokens.display());
+        let run = |lab: &mut Lab| {
+            let mut guard = lab.spawn(&args, &["sh", "-c", &app]);
+            let code = guard.code(Duration::from_secs(20));
+            (code, guard.log_text())
+        };
+        for _ in 0..2 {
+            let (code, log) = run(&mut lab);
+            assert_eq!(code, 0, "{}: {log}", backend.name());
+        }
+        set_back(&backend);
+        let (code, log) = run(&mut lab);
+        assert_eq!(code, 69, "{}: {log}", backend.name());
+        assert!(log.contains("was set back"), "{}: {log}", backend.name());
+        // Refused before the app: it recorded no token.
+        let given = fs::read_to_string(&tokens).unwrap();
+        assert_eq!(given.lines().count(), 2, "{}: {given}", backend.name());
+        // As the error says: delete the record, and the next holder's token is still above every
+        // token given before.
+        delete_record(&backend);
+        let (code, log) = run(&mut lab);
+        assert_eq!(code, 0, "{}: {log}", backend.name());
+        let given: Vec<u64> = fs::read_to_string(&tokens)
+            .unwrap()
+            .lines()
+            .map(|line| line.parse().unwrap())
+            .collect();
+        assert_eq!(given.len(), 3, "{}: {given:?}", backend.name());
+        assert_growing(&given, &backend);
+    }
 }

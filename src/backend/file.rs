@@ -25,7 +25,7 @@ use super::{
 };
 use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
-use crate::record::{Previous, RecordState};
+use crate::record::{set_back_error, Fence, Previous, RecordFacts, RecordState};
 use crate::supervisor::watchdog::Farewell;
 use crate::window::{self, Claim, RunEnd};
 
@@ -179,11 +179,22 @@ fn hold(
     }
     let (claim, found) = read_records(&mut locked);
     let own_bound = request.timings.detection_bound() + request.timings.grace_period;
-    let previous = previous_holder(found.as_ref(), identity, own_bound);
+    let place = Place::of(path, identity);
+    let previous = previous_holder(found.as_ref(), &place, own_bound).map_err(|fence| {
+        LockError::Unsafe(set_back_error(
+            request.name.as_str(),
+            &fence.set_back_detail(),
+            &format!(
+                "If the counter was reset on purpose, delete {} while no guard holds the lock: \
+                 the next holder starts a new one above the clock",
+                path.display()
+            ),
+        ))
+    })?;
     let lock = LockLine {
         state: RecordState::Held,
-        fence: found.map_or(1, |line| line.fence + 1),
-        identity,
+        fence: Fence::next(found.map(|line| line.fence), now_us()),
+        place,
         bound: own_bound,
     };
     write_record(
@@ -193,7 +204,7 @@ fn hold(
         Some(&lock),
     )
     .map_err(|e| io_error(path, e))?;
-    info!(event = "lock_acquired", path = %path.display(), fencing_token = lock.fence, previous = %previous.reason(), "file lock acquired");
+    info!(event = "lock_acquired", path = %path.display(), fencing_token = lock.fence.token, previous = %previous.reason(), "file lock acquired");
     Ok(Some(HeldLock::File(FileLock {
         record: Box::new(Record {
             holder: request.holder.clone(),
@@ -490,40 +501,94 @@ pub fn last_claim(path: &Path) -> Option<Claim> {
     read_records(&mut open_to_read(path).ok()??).0
 }
 
+/// The lock file's record, read without taking the lock.
+pub fn last_record(path: &Path) -> Option<RecordFacts> {
+    let line = read_records(&mut open_to_read(path).ok()??).1?;
+    Some(RecordFacts {
+        state: line.state,
+        token: line.fence.token,
+    })
+}
+
 /// The lock file's lock record: its state, the fencing token of the acquisition that wrote it, the
 /// file it was written in, and that holder's "app dead by" bound.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct LockLine {
     state: RecordState,
-    fence: u64,
-    identity: FileIdentity,
+    fence: Fence,
+    place: Place,
     bound: std::time::Duration,
 }
 
+/// The file a lock line was written in: its inode, and the path it was locked at. A lock file
+/// renamed or linked over this path from another lock keeps its inode, not its path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Place {
+    identity: FileIdentity,
+    /// The absolute path, each byte escaped as Rust escapes ASCII (`\n`, `\xNN`), so the line
+    /// stays one line; compared in this form, never decoded.
+    path: String,
+}
+
+impl Place {
+    fn of(path: &Path, identity: FileIdentity) -> Place {
+        use std::os::unix::ffi::OsStrExt;
+        let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_owned());
+        Place {
+            identity,
+            path: absolute
+                .as_os_str()
+                .as_bytes()
+                .iter()
+                .flat_map(|b| std::ascii::escape_default(*b))
+                .map(char::from)
+                .collect(),
+        }
+    }
+}
+
+/// This host's clock in microseconds since the epoch: every guard of a file lock reads it.
+fn now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_micros() as u64)
+}
+
 impl LockLine {
+    /// The path last: it may hold spaces.
     fn encode(&self) -> String {
         format!(
-            "lock_state={} fence={} dev={} ino={} bound_ms={}",
+            "lock_state={} fence={} drawn_us={} dev={} ino={} bound_ms={} path={}",
             self.state.as_str(),
-            self.fence,
-            self.identity.dev,
-            self.identity.ino,
-            self.bound.as_millis()
+            self.fence.token,
+            self.fence.drawn_us,
+            self.place.identity.dev,
+            self.place.identity.ino,
+            self.bound.as_millis(),
+            self.place.path,
         )
     }
 
     fn parse(line: &str) -> Option<LockLine> {
+        let (fields, path) = line.split_once(" path=")?;
         let field = |key: &str| {
-            line.split(' ')
+            fields
+                .split(' ')
                 .find_map(|pair| pair.strip_prefix(key)?.strip_prefix('='))
         };
         let number = |key: &str| field(key)?.parse::<u64>().ok();
         Some(LockLine {
             state: RecordState::parse(field("lock_state")?)?,
-            fence: number("fence")?,
-            identity: FileIdentity {
-                dev: number("dev")?,
-                ino: number("ino")?,
+            fence: Fence {
+                token: number("fence")?,
+                drawn_us: number("drawn_us")?,
+            },
+            place: Place {
+                identity: FileIdentity {
+                    dev: number("dev")?,
+                    ino: number("ino")?,
+                },
+                path: path.to_owned(),
             },
             bound: std::time::Duration::from_millis(number("bound_ms")?),
         })
@@ -533,25 +598,28 @@ impl LockLine {
 /// What the lock line found in a freshly locked file says of the previous holder. A `flock` is freed
 /// only by its holder's unlock (after its release wrote `released`) or when every descriptor of it
 /// is closed: the guard's, and the watchdog's copy, which it closes only once the app's tree is
-/// gone. So a `held` line written in this very file means the tree is gone. In another file (the
-/// path was deleted or replaced, a record copied) it proves nothing: the lock was taken away.
+/// gone. So a `held` line written in this very file, at this path, means the tree is gone. In
+/// another file or at another path (the path was deleted or replaced, a lock file renamed or
+/// linked over it, a record copied) it proves nothing: the lock was taken away. `Err` with the
+/// token of a line whose counter was set back (`Fence::set_back`).
 fn previous_holder(
     found: Option<&LockLine>,
-    identity: FileIdentity,
+    place: &Place,
     own_bound: std::time::Duration,
-) -> Previous {
-    match found {
+) -> Result<Previous, Fence> {
+    Ok(match found {
         None => Previous::MayRun {
             bound: own_bound,
             why: "no_record",
         },
-        Some(line) if line.identity != identity => Previous::MayRun {
+        Some(line) if line.fence.set_back() => return Err(line.fence),
+        Some(line) if line.place != *place => Previous::MayRun {
             bound: line.bound.max(own_bound),
             why: "taken_away",
         },
         Some(line) if line.state == RecordState::Held => Previous::Gone("tree_gone"),
         Some(line) => Previous::from_record(line.state, line.bound),
-    }
+    })
 }
 
 /// What the held lock's file says: the holder, the last claimed window (kept across holders), and
@@ -672,7 +740,7 @@ impl FileLock {
     }
 
     pub fn fencing_token(&self) -> u64 {
-        self.record.lock.fence
+        self.record.lock.fence.token
     }
 
     pub fn release(mut self) -> Result<(), LockError> {
@@ -681,7 +749,7 @@ impl FileLock {
         // the holder; the magic line keeps the file recognisably ours.
         let released = LockLine {
             state: RecordState::Released,
-            ..self.record.lock
+            ..self.record.lock.clone()
         };
         let _ = write_record(
             &mut self.file,

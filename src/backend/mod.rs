@@ -24,7 +24,7 @@ use crate::config::{LockName, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
 use crate::metrics::{AcquireOutcome, Metrics};
-use crate::record::Previous;
+use crate::record::{Previous, RecordFacts};
 use crate::supervisor::watchdog::Farewell;
 use crate::supervisor::TreeGone;
 use crate::vocab::LossReason;
@@ -317,6 +317,21 @@ pub async fn last_claim(
         Target::Postgres(postgres) => postgres::last_claim(postgres, name, connect, answer).await,
         Target::Redis(redis) => redis::last_claim(redis, name, connect, answer).await,
         Target::File(path) => Ok(file::last_claim(path)),
+    }
+}
+
+/// The lock's record (its state and last fencing token), read without taking the lock.
+pub async fn last_record(
+    target: &Target,
+    name: &LockName,
+    connect: Duration,
+    answer: Duration,
+) -> Result<Option<RecordFacts>, LockError> {
+    match target {
+        Target::Mysql(mysql) => mysql::last_record(mysql, name, connect, answer).await,
+        Target::Postgres(postgres) => postgres::last_record(postgres, name, connect, answer).await,
+        Target::Redis(redis) => redis::last_record(redis, name, connect, answer).await,
+        Target::File(path) => Ok(file::last_record(path)),
     }
 }
 

@@ -25,7 +25,7 @@ use super::{
 use crate::config::{LockName, MysqlTarget, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
-use crate::record::{Previous, RecordState};
+use crate::record::{set_back_error, Fence, Previous, RecordFacts, RecordState};
 use crate::window::{Claim, RunEnd, UnixMicros};
 
 /// Server error codes that mean the server ended our session rather than refused one statement.
@@ -254,23 +254,29 @@ pub async fn acquire(
             )),
             Ok(Ok(Some(Some(1)))) => {
                 let ports = session_ports(&mut conn, target, timings.check_timeout).await;
-                let (previous, fence) = take_record(&mut conn, target, request).await?;
-                info!(
-                    event = "lock_acquired",
-                    connection_id = conn.id(),
-                    wait_timeout_secs = timings.session_timeout_secs(),
-                    server_version = %version(&conn),
-                    fencing_token = fence,
-                    previous = %previous.reason(),
-                    "mysql lock acquired"
-                );
-                return Ok(Acquisition::Acquired(HeldLock::Mysql(watch(
-                    conn,
-                    target,
-                    request,
-                    (sent + chunk, ports),
-                    (previous, fence),
-                ))));
+                // A record that cannot be taken is a failed acquisition: closing the session gives
+                // the lock back before any app started.
+                match take_record(&mut conn, target, request).await {
+                    Ok(record) => {
+                        info!(
+                            event = "lock_acquired",
+                            connection_id = conn.id(),
+                            wait_timeout_secs = timings.session_timeout_secs(),
+                            server_version = %version(&conn),
+                            fencing_token = record.1,
+                            previous = %record.0.reason(),
+                            "mysql lock acquired"
+                        );
+                        return Ok(Acquisition::Acquired(HeldLock::Mysql(watch(
+                            conn,
+                            target,
+                            request,
+                            (sent + chunk, ports),
+                            record,
+                        ))));
+                    }
+                    Err(e) => e,
+                }
             }
             Ok(Ok(Some(Some(0)))) if patience.exhausted() => {
                 let holder = describe_holder(&mut conn, name, timings.check_timeout).await;
@@ -341,6 +347,36 @@ pub async fn status(
     };
     let _ = timeout(answer, conn.disconnect()).await;
     Ok(holder)
+}
+
+/// The lock's record, without taking the lock: `None` where there is none, or none can be seen.
+pub async fn last_record(
+    target: &MysqlTarget,
+    name: &LockName,
+    connect_limit: Duration,
+    answer: Duration,
+) -> Result<Option<RecordFacts>, LockError> {
+    if target.opts.db_name().is_none() {
+        return Ok(None);
+    }
+    let mut conn = connect(target, connect_limit).await?;
+    let read = record_table::facts_sql(name.as_str());
+    let found = timeout(answer, conn.query_first::<(String, u64), _>(&read)).await;
+    let _ = timeout(answer, conn.disconnect()).await;
+    match found {
+        Err(_) => Err(no_answer(
+            target,
+            "SELECT FROM sentinel_guard_locks",
+            answer,
+        )),
+        Ok(Ok(row)) => Ok(row.and_then(|(state, token)| record_table::facts(&state, token))),
+        Ok(Err(mysql_async::Error::Server(e)))
+            if e.code == ER_NO_SUCH_TABLE || NO_RECORD_HERE.contains(&e.code) =>
+        {
+            Ok(None)
+        }
+        Ok(Err(e)) => Err(setup_error(target, e)),
+    }
 }
 
 fn version(conn: &Conn) -> String {
@@ -545,7 +581,7 @@ fn watch(
     target: &MysqlTarget,
     request: &LockRequest<'_>,
     asked: (Deadline, Option<(u16, u16)>),
-    (previous, fence): (Previous, Option<u64>),
+    (previous, fence, recorded): (Previous, u64, bool),
 ) -> MysqlLock {
     let farewell = SessionFarewell {
         server: Server::Mysql,
@@ -565,7 +601,7 @@ fn watch(
         target: target.clone(),
         check_sql: check_sql(request),
         release_sql: format!("SELECT RELEASE_LOCK('{}')", request.name.as_str()),
-        released_sql: fence.map(|_| {
+        released_sql: recorded.then(|| {
             record_table::mark_sql(
                 request.name.as_str(),
                 &request.holder.id,
@@ -575,7 +611,7 @@ fn watch(
         timing: CheckTiming::of(request),
     };
     MysqlLock {
-        session: SessionLock::spawn(watcher, conn, farewell, fence, asked),
+        session: SessionLock::spawn(watcher, conn, farewell, Some(fence), asked),
         target: Box::new(target.clone()),
         connection_id,
         previous,
@@ -719,36 +755,55 @@ impl MysqlLock {
 const LOCKS_TABLE: &str = "CREATE TABLE IF NOT EXISTS sentinel_guard_locks (\
 name VARCHAR(64) NOT NULL PRIMARY KEY, \
 fence BIGINT UNSIGNED NOT NULL, \
+drawn_us BIGINT UNSIGNED NOT NULL, \
 holder VARCHAR(64) NOT NULL, \
 state VARCHAR(16) NOT NULL, \
 bound_ms BIGINT UNSIGNED NOT NULL, \
+incarnation VARCHAR(320) NOT NULL, \
 updated_at DATETIME(6) NOT NULL)";
 
+/// The server that writes a row: replication needs every server's `server_id` to differ, and the
+/// host and port tell apart servers that keep the default one. A restart keeps it: committed rows
+/// survive a restart with InnoDB's default durability (`innodb_flush_log_at_trx_commit = 1`).
+const INCARNATION: &str = "CONCAT(@@hostname, ':', @@port, '#', @@server_id)";
+
+/// The server's clock in microseconds since the epoch; `NOW(6)` is the same everywhere in one
+/// statement.
+const NOW_US: &str = "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS UNSIGNED)";
+
+/// Server errors that mean no record can be kept here: no database named, no such database, no
+/// grant to see the table, a table of an older layout. Any other error is a failed acquisition.
+const NO_RECORD_HERE: [u16; 6] = [1044, 1046, 1049, 1142, 1143, 1054];
+
 /// Reads the lock record the previous holder left and writes this holder's, with the next fencing
-/// token, on the lock's own session right after the grant (before the app can start). Where no
-/// record can be kept (no database in the URL, no CREATE or write grant), every acquisition waits
-/// its own bound, which a warning says once, with what to grant.
+/// token, on the lock's own session right after the grant (before the app can start); returns the
+/// token and whether the record was written. Where the table cannot be seen (no database in the
+/// URL, no grant, no CREATE on first use), every acquisition waits its own bound, which a warning
+/// says once, with what to grant, and the token is the server's clock. A table that can be read but
+/// not written would leave an older holder's row to mislead the next one: that is refused.
 async fn take_record(
     conn: &mut Conn,
     target: &MysqlTarget,
     request: &LockRequest<'_>,
-) -> Result<(Previous, Option<u64>), LockError> {
+) -> Result<(Previous, u64, bool), LockError> {
     let (name, holder) = (request.name.as_str(), &request.holder.id);
     let timings = request.timings;
     let own_bound = timings.detection_bound() + timings.grace_period;
     let limit = timings.check_timeout;
-    let read = record_table::read_sql(name);
+    let read = record_table::read_sql(name, INCARNATION);
     let write = format!(
-        "INSERT INTO sentinel_guard_locks (name, fence, holder, state, bound_ms, updated_at) \
-         VALUES ('{name}', LAST_INSERT_ID(1), '{holder}', 'held', {}, NOW(6)) \
-         ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(fence + 1), holder = VALUES(holder), \
-         state = 'held', bound_ms = VALUES(bound_ms), updated_at = VALUES(updated_at)",
+        "INSERT INTO sentinel_guard_locks \
+         (name, fence, drawn_us, holder, state, bound_ms, incarnation, updated_at) \
+         VALUES ('{name}', LAST_INSERT_ID({NOW_US}), {NOW_US}, '{holder}', 'held', {}, {INCARNATION}, NOW(6)) \
+         ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(GREATEST(fence + 1, VALUES(drawn_us))), \
+         drawn_us = VALUES(drawn_us), holder = VALUES(holder), state = 'held', \
+         bound_ms = VALUES(bound_ms), incarnation = VALUES(incarnation), updated_at = VALUES(updated_at)",
         own_bound.as_millis()
     );
-    let no_record = record_table::no_record(own_bound);
     let mut created = false;
     let found = loop {
-        match timeout(limit, conn.query_first::<(String, u64), _>(&read)).await {
+        let answer = conn.query_first::<(String, u64, u64, u64, Option<i64>), _>(&read);
+        match timeout(limit, answer).await {
             Err(_) => return Err(no_answer(target, "SELECT FROM sentinel_guard_locks", limit)),
             Ok(Ok(found)) => break found,
             Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_NO_SUCH_TABLE && !created => {
@@ -759,8 +814,7 @@ async fn take_record(
                         "created table sentinel_guard_locks for lock records"
                     ),
                     Ok(Err(mysql_async::Error::Server(e))) => {
-                        record_unavailable(target, &e);
-                        return Ok((no_record, None));
+                        return without_record(conn, target, &e, own_bound, limit).await
                     }
                     Ok(Err(e)) => return Err(setup_error(target, e)),
                     Err(_) => {
@@ -772,29 +826,67 @@ async fn take_record(
                     }
                 }
             }
-            Ok(Err(mysql_async::Error::Server(e))) => {
-                record_unavailable(target, &e);
-                return Ok((no_record, None));
+            Ok(Err(mysql_async::Error::Server(e))) if NO_RECORD_HERE.contains(&e.code) => {
+                return without_record(conn, target, &e, own_bound, limit).await
             }
             Ok(Err(e)) => return Err(setup_error(target, e)),
         }
     };
+    let found = found.map(
+        |(state, bound_ms, token, drawn_us, same)| record_table::Row {
+            state,
+            bound_ms,
+            fence: Fence { token, drawn_us },
+            same_server: same == Some(1),
+        },
+    );
+    let previous = record_table::previous(found.as_ref(), own_bound).map_err(|fence| {
+        LockError::Unsafe(set_back_error(
+            name,
+            &fence.set_back_detail(),
+            &record_table::set_back_remedy(name),
+        ))
+    })?;
     match timeout(limit, conn.query_drop(&write)).await {
         Err(_) => return Err(no_answer(target, "INSERT INTO sentinel_guard_locks", limit)),
-        Ok(Err(mysql_async::Error::Server(e))) => {
-            record_unavailable(target, &e);
-            return Ok((no_record, None));
+        Ok(Err(mysql_async::Error::Server(e))) if NO_RECORD_HERE.contains(&e.code) => {
+            let user = target.opts.user().unwrap_or("<user>");
+            return Err(LockError::Unsafe(format!(
+                "{}: the lock records in sentinel_guard_locks can be read but not written ({}), so \
+                 an older holder's record would mislead the next holder; \
+                 GRANT INSERT, UPDATE ON sentinel_guard_locks TO '{user}'@'%', or revoke SELECT",
+                target.url,
+                target.url.scrub(e)
+            )));
         }
         Ok(Err(e)) => return Err(setup_error(target, e)),
         Ok(Ok(())) => {}
     }
-    let found = found
-        .as_ref()
-        .map(|(state, bound)| (state.as_str(), *bound));
-    Ok((
-        record_table::previous(found, own_bound),
-        conn.last_insert_id(),
-    ))
+    let token = conn.last_insert_id().ok_or_else(|| {
+        LockError::Unsafe("the lock record's INSERT returned no fencing token".to_owned())
+    })?;
+    Ok((previous, token, true))
+}
+
+/// No record can be kept on this server (`e` says why, once): the previous holder's app may run for
+/// this holder's own bound, and the token is the server's clock.
+async fn without_record(
+    conn: &mut Conn,
+    target: &MysqlTarget,
+    e: &mysql_async::ServerError,
+    own_bound: Duration,
+    limit: Duration,
+) -> Result<(Previous, u64, bool), LockError> {
+    record_unavailable(target, e);
+    let clock = format!("SELECT {NOW_US}");
+    let token = match timeout(limit, conn.query_first::<u64, _>(&clock)).await {
+        Err(_) => return Err(no_answer(target, "the server's clock", limit)),
+        Ok(Err(e)) => return Err(setup_error(target, e)),
+        Ok(Ok(token)) => token,
+    };
+    let token =
+        token.ok_or_else(|| LockError::Unsafe("the server's clock read empty".to_owned()))?;
+    Ok((record_table::no_record(own_bound), token, false))
 }
 
 /// Says once why no lock record can be kept, and what an administrator grants to make clean

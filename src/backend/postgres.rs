@@ -39,7 +39,7 @@ use super::{
 use crate::config::{LockName, PostgresTarget, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
-use crate::record::{Previous, RecordState};
+use crate::record::{set_back_error, Fence, Previous, RecordFacts, RecordState};
 use crate::window::{Claim, RunEnd, UnixMicros};
 
 use tls::Tls;
@@ -399,9 +399,9 @@ pub async fn acquire(
                         Err(pooler) => Err(pooler),
                     };
                 let recorded = match proven {
-                    Ok((token, ports)) => take_record(&session, target, request, token)
+                    Ok((now_us, ports)) => take_record(&session, target, request, now_us)
                         .await
-                        .map(|(previous, recorded)| (token, ports, previous, recorded)),
+                        .map(|(previous, token, recorded)| (token, ports, previous, recorded)),
                     Err(e) => Err(e),
                 };
                 match recorded {
@@ -461,9 +461,9 @@ pub async fn acquire(
 }
 
 /// Proves, in a statement of its own, that the backend that was granted the lock is this session's
-/// and holds it (a transaction pooler fails this), and draws the fencing token: a transaction id,
-/// which the server hands out in increasing order, drawn while the lock is held, so every later
-/// holder's is larger. The statement carries the guard's identity for `pg_stat_activity`.
+/// and holds it (a transaction pooler fails this), and reads the server's clock in microseconds,
+/// drawn while the lock is held, which the fencing token is at least (`Fence::next`). The
+/// statement carries the guard's identity for `pg_stat_activity`.
 async fn prove(
     session: &Session,
     target: &PostgresTarget,
@@ -472,7 +472,8 @@ async fn prove(
 ) -> Result<(u64, Option<(u16, u16)>), LockError> {
     let limit = request.timings.check_timeout;
     let sql = format!(
-        "SET lock_timeout = 0; SELECT pg_backend_pid(), {held}, pg_current_xact_id(), \
+        "SET lock_timeout = 0; SELECT pg_backend_pid(), {held}, \
+         (extract(epoch FROM clock_timestamp()) * 1000000)::bigint, \
          inet_client_port() /* sentinel-guard {holder} */",
         held = held_here(key),
         holder = request.holder,
@@ -495,9 +496,8 @@ async fn prove(
             target.url
         )));
     }
-    let token = number(row, 2).ok_or_else(|| {
-        LockError::Unsafe(format!("pg_current_xact_id() returned {:?}", row.get(2)))
-    })?;
+    let token = number(row, 2)
+        .ok_or_else(|| LockError::Unsafe(format!("the server's clock read {:?}", row.get(2))))?;
     // The client port as the server sees it (none over a Unix socket), and the server's: what
     // finds the session's socket for the watchdog's copy.
     let server = target.config.get_ports().first().copied().unwrap_or(5432);
@@ -509,46 +509,86 @@ async fn prove(
 const LOCKS_TABLE: &str = "CREATE TABLE IF NOT EXISTS sentinel_guard_locks (\
 name varchar(64) PRIMARY KEY, \
 fence bigint NOT NULL, \
+drawn_us bigint NOT NULL, \
 holder varchar(64) NOT NULL, \
 state varchar(16) NOT NULL, \
 bound_ms bigint NOT NULL, \
+incarnation text NOT NULL, \
 updated_at timestamptz NOT NULL)";
 
-/// Reads the lock record the previous holder left and writes this holder's, with its fencing token,
-/// in one statement on the lock's own session right after the grant (before the app can start);
-/// returns whether this holder's record was written. Where no record can be kept (no CREATE or write
-/// grant), every acquisition waits its own bound, which a warning says once, with what to grant.
+/// The server that writes a row: its postmaster's start, to the microsecond. A promoted replica, a
+/// restarted server and a restored one all started at another time.
+const INCARNATION: &str = "pg_postmaster_start_time()::text";
+
+/// Reads the lock record the previous holder left and writes this holder's, with the next fencing
+/// token (`Fence::next` of the previous one and the clock `now_us` the proof read), in one statement
+/// on the lock's own session right after the grant (before the app can start); returns the token
+/// and whether this holder's record was written. Where the table cannot be seen (no grant, no
+/// CREATE on first use), every acquisition waits its own bound, which a warning says once, with
+/// what to grant, and the token is the clock. A table that can be read but not written would leave
+/// an older holder's row to mislead the next one: that is refused.
 async fn take_record(
     session: &Session,
     target: &PostgresTarget,
     request: &LockRequest<'_>,
-    token: u64,
-) -> Result<(Previous, bool), LockError> {
+    now_us: u64,
+) -> Result<(Previous, u64, bool), LockError> {
     let (name, holder) = (request.name.as_str(), &request.holder.id);
     let timings = request.timings;
     let own_bound = timings.detection_bound() + timings.grace_period;
     let limit = timings.check_timeout;
-    // The CTE's SELECT sees the row as it was before the upsert.
+    // The CTE's SELECT sees the row as it was before the upsert; a set-back row is left as it is.
     let sql = format!(
         "WITH prev AS ({read}), up AS (INSERT INTO sentinel_guard_locks \
-         (name, fence, holder, state, bound_ms, updated_at) \
-         VALUES ('{name}', {token}, '{holder}', 'held', {bound}, now()) \
-         ON CONFLICT (name) DO UPDATE SET fence = EXCLUDED.fence, holder = EXCLUDED.holder, \
-         state = 'held', bound_ms = EXCLUDED.bound_ms, updated_at = EXCLUDED.updated_at RETURNING 1) \
-         SELECT (SELECT state FROM prev), (SELECT bound_ms FROM prev), (SELECT count(*) FROM up)",
-        read = record_table::read_sql(name),
+         (name, fence, drawn_us, holder, state, bound_ms, incarnation, updated_at) \
+         SELECT '{name}', GREATEST(COALESCE((SELECT fence FROM prev) + 1, 0), {now_us}), {now_us}, \
+         '{holder}', 'held', {bound}, {INCARNATION}, now() \
+         WHERE NOT EXISTS (SELECT 1 FROM prev WHERE fence < drawn_us) \
+         ON CONFLICT (name) DO UPDATE SET fence = EXCLUDED.fence, drawn_us = EXCLUDED.drawn_us, \
+         holder = EXCLUDED.holder, state = 'held', bound_ms = EXCLUDED.bound_ms, \
+         incarnation = EXCLUDED.incarnation, updated_at = EXCLUDED.updated_at RETURNING fence) \
+         SELECT prev.*, (SELECT fence FROM up) FROM (SELECT 1) one LEFT JOIN prev ON true",
+        read = record_table::read_sql(name, INCARNATION),
         bound = own_bound.as_millis(),
     );
     let mut created = false;
     loop {
-        match query(&session.client, &sql, limit).await {
+        let failure = match query(&session.client, &sql, limit).await {
             Ok(rows) => {
                 let row = rows.first().map(Vec::as_slice).unwrap_or_default();
-                let state = row.first().cloned().flatten();
-                let found = state.as_deref().zip(number::<u64>(row, 1));
-                return Ok((record_table::previous(found, own_bound), true));
+                let found = row
+                    .first()
+                    .cloned()
+                    .flatten()
+                    .map(|state| record_table::Row {
+                        state,
+                        bound_ms: number(row, 1).unwrap_or(0),
+                        fence: Fence {
+                            token: number(row, 2).unwrap_or(0),
+                            drawn_us: number(row, 3).unwrap_or(0),
+                        },
+                        same_server: is_true(row, 4),
+                    });
+                let previous =
+                    record_table::previous(found.as_ref(), own_bound).map_err(|fence| {
+                        LockError::Unsafe(set_back_error(
+                            name,
+                            &fence.set_back_detail(),
+                            &record_table::set_back_remedy(name),
+                        ))
+                    })?;
+                let token = number(row, 5).ok_or_else(|| {
+                    LockError::Unsafe(format!(
+                        "the lock record's upsert returned {:?}",
+                        row.get(5)
+                    ))
+                })?;
+                return Ok((previous, token, true));
             }
-            Err(Failure::Db(e)) if e.code() == Some(&SqlState::UNDEFINED_TABLE) && !created => {
+            Err(failure) => failure,
+        };
+        match failure {
+            Failure::Db(e) if e.code() == Some(&SqlState::UNDEFINED_TABLE) && !created => {
                 created = true;
                 match query(&session.client, LOCKS_TABLE, limit).await {
                     Ok(_) => info!(
@@ -557,7 +597,7 @@ async fn take_record(
                     ),
                     Err(Failure::Db(e)) if e.as_db_error().is_some() => {
                         record_unavailable(target, e);
-                        return Ok((record_table::no_record(own_bound), false));
+                        return Ok((record_table::no_record(own_bound), now_us, false));
                     }
                     Err(failure) => {
                         return Err(target.failed(
@@ -568,11 +608,37 @@ async fn take_record(
                     }
                 }
             }
-            Err(Failure::Db(e)) if e.as_db_error().is_some() => {
+            // Denied: if the table can still be read, an older holder's row would mislead the
+            // next holder.
+            Failure::Db(e) if e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) => {
+                let probe = format!("SELECT 1 FROM {} LIMIT 0", record_table::TABLE);
+                if query(&session.client, &probe, limit).await.is_ok() {
+                    let user = target.config.get_user().unwrap_or("<user>");
+                    return Err(LockError::Unsafe(format!(
+                        "{}: the lock records in sentinel_guard_locks can be read but not written ({}), \
+                         so an older holder's record would mislead the next holder; \
+                         GRANT INSERT, UPDATE ON sentinel_guard_locks TO {user}, or revoke SELECT",
+                        target.url,
+                        target.explain(e)
+                    )));
+                }
                 record_unavailable(target, e);
-                return Ok((record_table::no_record(own_bound), false));
+                return Ok((record_table::no_record(own_bound), now_us, false));
             }
-            Err(failure) => return Err(target.failed("the lock record", failure, limit)),
+            // No table to be seen in the search path's schemas, or one of an older layout.
+            Failure::Db(e)
+                if [
+                    SqlState::UNDEFINED_TABLE,
+                    SqlState::UNDEFINED_COLUMN,
+                    SqlState::INVALID_SCHEMA_NAME,
+                ]
+                .iter()
+                .any(|code| e.code() == Some(code)) =>
+            {
+                record_unavailable(target, e);
+                return Ok((record_table::no_record(own_bound), now_us, false));
+            }
+            failure => return Err(target.failed("the lock record", failure, limit)),
         }
     }
 }
@@ -591,6 +657,29 @@ fn record_unavailable(target: &PostgresTarget, e: tokio_postgres::Error) {
              GRANT SELECT, INSERT, UPDATE ON sentinel_guard_locks TO {user};"
         );
     });
+}
+
+/// The lock's record, without taking the lock: `None` where there is none, or none can be seen.
+pub async fn last_record(
+    target: &PostgresTarget,
+    name: &LockName,
+    connect_limit: Duration,
+    answer: Duration,
+) -> Result<Option<RecordFacts>, LockError> {
+    let client = connect(target, "sentinel-guard status", connect_limit).await?;
+    match query(&client, &record_table::facts_sql(name.as_str()), answer).await {
+        Ok(rows) => Ok(rows
+            .first()
+            .and_then(|row| record_table::facts(row.first()?.as_deref()?, number(row, 1)?))),
+        Err(Failure::Db(e))
+            if [SqlState::UNDEFINED_TABLE, SqlState::INSUFFICIENT_PRIVILEGE]
+                .iter()
+                .any(|code| e.code() == Some(code)) =>
+        {
+            Ok(None)
+        }
+        Err(failure) => Err(target.failed("SELECT FROM sentinel_guard_locks", failure, answer)),
+    }
 }
 
 /// Who holds `name` now, without taking it.

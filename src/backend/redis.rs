@@ -39,7 +39,7 @@ use crate::config::{LockName, RedisServers, RedisTarget, Timings};
 use crate::deadline::{self, Deadline};
 use crate::holder::Holder;
 use crate::metrics::{CheckOutcome, Checks};
-use crate::record::Previous;
+use crate::record::{set_back_error, Previous, RecordFacts, RecordState};
 use crate::window::{Claim, UnixMicros, WindowOutcome};
 
 /// KEYS: lock, fence counter, clean marker, lease record. ARGV: token, holder, ttl (ms), this
@@ -48,10 +48,14 @@ use crate::window::{Claim, UnixMicros, WindowOutcome};
 /// The value is `<token> fence=<n> <holder>`; the token is its first word. Returns `{fence,
 /// previous, bound}`: fence 0 when held by another token. `previous` is 1 when the previous lease
 /// was released by its owner (its fence is the one recorded in the clean key), 2 when it ran out:
-/// the lease record (`<fence> <expiry µs> <bound ms>`, written at every grant and renewal) says its
-/// expiry has passed on the server's clock, so its holder's app was dead by then; else 0, with the
-/// bound that holder recorded (0: none), as after a `DEL` of a live lease. A missing counter means a
-/// first acquisition or a server that lost its data: nobody can tell which, so it counts as 0.
+/// the lease record (`<fence> <expiry µs> <bound ms> <run id>`, written at every grant and renewal)
+/// says its expiry has passed on the server's clock; else 0, as after a `DEL` of a live lease. With
+/// 2 and 0, the bound that holder recorded (0: none). A missing counter means a first acquisition or
+/// a server that lost its data: nobody can tell which, so it counts as 0. The clean marker names the
+/// server process that wrote it (`run_id`, new at every start): one restored from a snapshot or
+/// written before a restart may miss newer leases, and proves nothing.
+/// Fence -1 is a counter set back below a token its records hold (`{-1, counter, recorded}`):
+/// nothing is written then.
 ///
 /// Fencing tokens never go backwards, even when the server loses its data or a failover loses the
 /// newest increments: each token is the counter + 1 or the server's clock in microseconds (`TIME`),
@@ -59,39 +63,46 @@ use crate::window::{Claim, UnixMicros, WindowOutcome};
 /// gave out, unless it was incremented more than a million times a second or the new server's clock
 /// is behind the old one's by more than the time the failover took.
 const ACQUIRE: &str = r"
+local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+local now = redis.call('TIME')
+local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local function record(fence)
+  redis.call('SET', KEYS[4], fence .. ' ' .. string.format('%.0f', micros + tonumber(ARGV[3]) * 1000) .. ' ' .. ARGV[4] .. ' ' .. run)
+end
 local current = redis.call('GET', KEYS[1])
 if current then
   if string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
     redis.call('PEXPIRE', KEYS[1], ARGV[3])
     local fence = string.match(current, ' fence=(%d+)')
-    local now = redis.call('TIME')
-    local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
-    redis.call('SET', KEYS[4], fence .. ' ' .. string.format('%.0f', micros + tonumber(ARGV[3]) * 1000) .. ' ' .. ARGV[4])
+    record(fence)
     return {tonumber(fence), 0, 0}
   end
   return {0, 0, 0}
 end
-local now = redis.call('TIME')
-local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local previous = redis.call('GET', KEYS[2])
-local status, bound = 0, 0
-if previous and previous == redis.call('GET', KEYS[3]) then
-  status = 1
-elseif previous then
-  local f, expiry, b = string.match(redis.call('GET', KEYS[4]) or '', '^(%d+) (%d+) (%d+)$')
-  if f == previous then
-    bound = tonumber(b)
-    if tonumber(expiry) <= micros then
-      status = 2
-    end
+local counter = tonumber(previous or '0')
+local clean, clean_run = string.match(redis.call('GET', KEYS[3]) or '', '^(%d+) ?(%x*)$')
+local f, expiry, b = string.match(redis.call('GET', KEYS[4]) or '', '^(%d+) (%d+) (%d+)')
+for _, recorded in ipairs({clean or '0', f or '0'}) do
+  if tonumber(recorded) > counter then
+    return {-1, counter, tonumber(recorded)}
   end
 end
-local fence = math.max(tonumber(previous or '0') + 1, micros)
+local status, bound = 0, 0
+if previous and previous == clean and clean_run == run then
+  status = 1
+elseif previous and f == previous then
+  bound = tonumber(b)
+  if tonumber(expiry) <= micros then
+    status = 2
+  end
+end
+local fence = math.max(counter + 1, micros)
 -- Lua would print a number this large as 1.79e+15: the records keep every digit.
 local fenced = string.format('%.0f', fence)
 redis.call('SET', KEYS[2], fenced)
 redis.call('SET', KEYS[1], ARGV[1] .. ' fence=' .. fenced .. ' ' .. ARGV[2], 'NX', 'PX', ARGV[3])
-redis.call('SET', KEYS[4], fenced .. ' ' .. string.format('%.0f', micros + tonumber(ARGV[3]) * 1000) .. ' ' .. ARGV[4])
+record(fenced)
 return {fence, status, bound}
 ";
 
@@ -101,20 +112,23 @@ return {fence, status, bound}
 const RENEW: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
+  local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
   local now = redis.call('TIME')
   local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  redis.call('SET', KEYS[2], ARGV[3] .. ' ' .. string.format('%.0f', micros + tonumber(ARGV[2]) * 1000) .. ' ' .. ARGV[4])
+  redis.call('SET', KEYS[2], ARGV[3] .. ' ' .. string.format('%.0f', micros + tonumber(ARGV[2]) * 1000) .. ' ' .. ARGV[4] .. ' ' .. run)
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
 ";
 
-/// KEYS: lock, clean marker, release channel (a channel, listed for cluster routing).
+/// KEYS: lock, clean marker, release channel (a channel, listed for cluster routing). The marker
+/// names the server process that wrote it, as the lease record does.
 const RELEASE: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
+  local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
   redis.call('DEL', KEYS[1])
-  redis.call('SET', KEYS[2], string.match(current, ' fence=(%d+)'))
+  redis.call('SET', KEYS[2], string.match(current, ' fence=(%d+)') .. ' ' .. run)
   redis.call('PUBLISH', KEYS[3], ARGV[1])
   return 1
 end
@@ -660,6 +674,20 @@ async fn attempt(
         Ok(Err(e)) => return Err(Failure::redis(target, &e)),
         Err(_) => return Err(Failure::silent(target, timings.check_timeout)),
     };
+    if fence == -1 {
+        return Err(Failure {
+            error: LockError::Unsafe(set_back_error(
+                keys.lock.as_str(),
+                &format!("its counter {} is below the token {recorded} its records hold", previous),
+                &format!(
+                    "If the counter was reset on purpose, delete {} and {} while no guard holds the \
+                     lock: the next holder starts a new one above the server's clock",
+                    keys.clean, keys.lease
+                ),
+            )),
+            permanent: true,
+        });
+    }
     // A late answer (the guard was frozen meanwhile) is asked again: the script is idempotent for
     // our token, and the next answer dates the lease afresh.
     if sent.elapsed() > timings.check_timeout {
@@ -678,18 +706,20 @@ async fn attempt(
         }
         // A failover may lose the newest writes, among them an acquisition made after the release
         // or the renewal the records show: they prove nothing then (`release_marker_survives_failover`).
+        // A lease that ran out waits too: its holder's guard stopped the app by the deadline,
+        // unless the whole tree was frozen with it (`docker pause`, a paused VM), whose app runs
+        // again for a moment when thawed.
         let previous = match previous {
             1 if target.release_marker_survives_failover() => Previous::Gone("released"),
-            2 if target.release_marker_survives_failover() => Previous::Expired,
             _ => Previous::MayRun {
                 bound: match recorded {
                     0 => bound(timings),
                     ms => Duration::from_millis(ms),
                 },
-                why: if recorded == 0 {
-                    "no_record"
-                } else {
-                    "taken_away"
+                why: match (previous, recorded) {
+                    (2, _) => "expired",
+                    (_, 0) => "no_record",
+                    _ => "taken_away",
                 },
             },
         };
@@ -784,6 +814,38 @@ pub async fn status(
         Ok(Err(e)) => Err(lock_error(target, &e)),
         Err(_) => Err(no_answer(target, answer)),
     }
+}
+
+/// The lock's record, without taking the lock: held while the lease lives, released when the last
+/// lease's owner released it; a lease that ran out or was taken away was never released.
+pub async fn last_record(
+    target: &RedisTarget,
+    name: &LockName,
+    connect_limit: Duration,
+    answer: Duration,
+) -> Result<Option<RecordFacts>, LockError> {
+    let keys = Keys::new(&target.prefix, name.as_str());
+    let mut conn = connected(target, connect_limit).await?;
+    let mut pipe = redis::pipe();
+    pipe.exists(&keys.lock).get(&keys.fence).get(&keys.clean);
+    let read = pipe.query_async::<(bool, Option<u64>, Option<String>)>(&mut conn);
+    let (held, counter, clean) = match timeout(answer, read).await {
+        Ok(Ok(found)) => found,
+        Ok(Err(e)) => return Err(lock_error(target, &e)),
+        Err(_) => return Err(no_answer(target, answer)),
+    };
+    let released = clean
+        .as_deref()
+        .and_then(|clean| clean.split(' ').next()?.parse::<u64>().ok())
+        == counter;
+    Ok(counter.map(|token| RecordFacts {
+        state: if !held && released {
+            RecordState::Released
+        } else {
+            RecordState::Held
+        },
+        token,
+    }))
 }
 
 /// The holder's identity and fencing token from the key's value (never its secret token), and how

@@ -136,8 +136,12 @@ impl Postgres {
         assert!(status.success());
         give_to_server_user(dir.path());
         let server = Postgres::booted(dir);
+        // The guard's role may create its lock record table, as an application's own role
+        // usually may in its database (PostgreSQL 15 and later no longer grant CREATE on `public`
+        // to everyone; the fallback without it has a test of its own).
         server.sql(&format!(
-            "CREATE ROLE {USER} LOGIN PASSWORD '{PASSWORD}'; CREATE ROLE {POOLED} LOGIN"
+            "CREATE ROLE {USER} LOGIN PASSWORD '{PASSWORD}'; CREATE ROLE {POOLED} LOGIN; \
+             GRANT CREATE ON SCHEMA public TO {USER}"
         ));
         server
     }
