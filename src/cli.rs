@@ -35,7 +35,7 @@ pub const APP_ENV: &[(&str, &str)] = &[
     ("SENTINEL_GUARD_NAME", "the lock name"),
     (
         "SENTINEL_GUARD_BACKEND",
-        "mysql, redis, file, or none when unguarded",
+        "mysql, postgres, redis, file, or none when unguarded",
     ),
     (
         "SENTINEL_GUARD_HOLDER_ID",
@@ -43,7 +43,7 @@ pub const APP_ENV: &[(&str, &str)] = &[
     ),
     (
         "SENTINEL_GUARD_FENCING_TOKEN",
-        "Redis only: a number that strictly increases with every acquisition of the lock name",
+        "a number that strictly increases with every acquisition of the lock name, on every backend",
     ),
     (
         "SENTINEL_GUARD_WINDOW",

@@ -653,9 +653,8 @@ impl Guard<'_> {
     ) -> Result<HeldLock, Finished> {
         let previous = held.previous();
         let (delay, reason) = match (self.config.takeover_delay, previous) {
-            // A fixed delay is skipped only where it always was: a Redis lease its owner released
-            // (`HeldLock::released_cleanly`). The other records prove less across a failover, a
-            // restored backup or a guard that cannot write them, and `auto` is the opt-in.
+            // A fixed delay is skipped only where it always was, after a Redis lease its owner
+            // released (`HeldLock::released_cleanly`): a duration set by hand is waited as asked.
             (TakeoverDelay::Fixed(delay), _) if !held.released_cleanly() => {
                 (delay, previous.reason())
             }

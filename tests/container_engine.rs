@@ -76,7 +76,9 @@ fn mysql_in_a_real_engine() {
     ];
     let mut scene = Scene::new(engine, "mysql", &url, &url, &timings);
     scene.scale_then_stop();
-    scene.standby_kill_then_pause(Duration::from_secs(1), Some(Duration::from_secs(30)));
+    // `docker kill` ends the watchdog with the guard, so nothing marks the tree gone: the standby
+    // waits the bound the leader recorded (check-interval + check-timeout + grace = 2s).
+    scene.standby_kill_then_pause(Duration::from_secs(3), Some(Duration::from_secs(30)));
     scene.ctrl_c_in_a_terminal();
     scene.finish();
 }
@@ -99,9 +101,11 @@ fn redis_in_a_real_engine() {
     let mut scene = Scene::new(engine, "redis", &url, &url, &timings);
     scene.scale_then_stop();
     // A SIGKILLed leader's lease runs out within the ttl of its last renewal; the standby re-checks
-    // at the lease's expiry with up to 50ms of jitter, and its app needs a moment to start.
+    // at the lease's expiry with up to 50ms of jitter, then waits the bound the leader recorded
+    // (ttl + grace = 4s: a lease that ran out may belong to a frozen tree), and its app needs a
+    // moment to start.
     scene.standby_kill_then_pause(
-        Duration::from_millis(3000 + 250),
+        Duration::from_millis(3000 + 4000 + 250),
         Some(Duration::from_secs(15)),
     );
     scene.ctrl_c_in_a_terminal();

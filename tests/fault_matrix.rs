@@ -135,7 +135,7 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
     let leader_url = proxy
         .as_ref()
         .map_or(direct.clone(), |p| url_via(&backend, p.port));
-    let mut lab = Lab::new();
+    let mut lab = Lab::with_default_takeover();
     let trace = lab.path("trace");
     let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
     let args = |url: &str, extra: &[&str]| -> Vec<String> {

@@ -176,7 +176,8 @@ fn token_in(log: &str) -> u64 {
 }
 
 /// What asynchronous replication can do: the new primary never received the leader's acquisition
-/// (here it is undone there right after the failover: the lease deleted, the counter set back). The
+/// (here it is undone there right after the failover: the lease deleted, the counter and the lease
+/// record set back to what they were at the clean release, as replication lag would leave them). The
 /// standby is granted the lock there, but starts only after its takeover delay, even though the new
 /// primary holds a clean-release marker that now looks current; its fencing token is still above the
 /// leader's; the leader's next renewal finds no token of its own and stops its app first (exit 75).
@@ -190,10 +191,12 @@ fn a_failover_that_loses_the_lease_stops_the_leader_before_the_standby_starts() 
     assert_eq!(code, 0, "{log}");
     let primary = group.primary_port().unwrap();
     let released = group.cli(primary, &["GET", "sentinel-guard:{failover}:fence"]);
+    let record = group.cli(primary, &["GET", "sentinel-guard:{failover}:lease"]);
     let mut pair = leader_and_standby(&url, &[]);
     let new = group.failover();
     group.cli(new, &["DEL", KEY]);
     group.cli(new, &["SET", "sentinel-guard:{failover}:fence", &released]);
+    group.cli(new, &["SET", "sentinel-guard:{failover}:lease", &record]);
     let lost = Instant::now();
     let stopped = wait_until(Duration::from_secs(10), || !alive(pair.lead_app));
     assert!(stopped, "{}", pair.leader.log_text());

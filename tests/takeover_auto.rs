@@ -98,7 +98,7 @@ fn leader_and_standby(
 #[test]
 fn a_lock_taken_away_never_runs_two_apps_and_a_clean_release_hands_over_at_once() {
     for backend in Backend::all() {
-        let mut lab = Lab::new();
+        let mut lab = Lab::with_default_takeover();
         let url = backend.url();
         let args = args(&backend, &url);
         let (mut leader, mut standby, trace, standby_pid) = leader_and_standby(&mut lab, &args);
@@ -173,7 +173,7 @@ fn without_a_lock_record_every_acquisition_waits_and_says_so_once() {
     let postgres_url = postgres.url();
     let mysql = Backend::Mysql(mysql);
     for (backend, url) in [(&postgres, &postgres_url), (&mysql, &mysql_url)] {
-        let mut lab = Lab::new();
+        let mut lab = Lab::with_default_takeover();
         let args = args(backend, url);
         let (mut leader, mut standby, trace, standby_pid) = leader_and_standby(&mut lab, &args);
         take_away_at(backend, url);
@@ -259,7 +259,7 @@ fn delete_record(backend: &Backend) {
 #[test]
 fn a_fencing_counter_set_back_by_hand_starts_no_app_and_exits_69() {
     for backend in Backend::all() {
-        let mut lab = Lab::new();
+        let mut lab = Lab::with_default_takeover();
         let url = backend.url();
         let args = args(&backend, &url);
         let tokens = lab.path("tokens");

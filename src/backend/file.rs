@@ -180,17 +180,19 @@ fn hold(
     let (claim, found) = read_records(&mut locked);
     let own_bound = request.timings.detection_bound() + request.timings.grace_period;
     let place = Place::of(path, identity);
-    let previous = previous_holder(found.as_ref(), &place, own_bound).map_err(|fence| {
-        LockError::Unsafe(set_back_error(
-            request.name.as_str(),
-            &fence.set_back_detail(),
-            &format!(
+    let kernel_lock = local_filesystem(&locked);
+    let previous =
+        previous_holder(found.as_ref(), &place, kernel_lock, own_bound).map_err(|fence| {
+            LockError::Unsafe(set_back_error(
+                request.name.as_str(),
+                &fence.set_back_detail(),
+                &format!(
                 "If the counter was reset on purpose, delete {} while no guard holds the lock: \
                  the next holder starts a new one above the clock",
                 path.display()
             ),
-        ))
-    })?;
+            ))
+        })?;
     let lock = LockLine {
         state: RecordState::Held,
         fence: Fence::next(found.map(|line| line.fence), now_us()),
@@ -598,13 +600,16 @@ impl LockLine {
 /// What the lock line found in a freshly locked file says of the previous holder. A `flock` is freed
 /// only by its holder's unlock (after its release wrote `released`) or when every descriptor of it
 /// is closed: the guard's, and the watchdog's copy, which it closes only once the app's tree is
-/// gone. So a `held` line written in this very file, at this path, means the tree is gone. In
-/// another file or at another path (the path was deleted or replaced, a lock file renamed or
-/// linked over it, a record copied) it proves nothing: the lock was taken away. `Err` with the
-/// token of a line whose counter was set back (`Fence::set_back`).
+/// gone. So a `held` line written in this very file, at this path, means the tree is gone, where
+/// the lock is the kernel's (`kernel_lock`): a network file system's server may drop a client's
+/// lock (a lease that ran out, an evicted client) while its descriptors stay open. In another file
+/// or at another path (the path was deleted or replaced, a lock file renamed or linked over it, a
+/// record copied) it proves nothing: the lock was taken away. `Err` with the token of a line whose
+/// counter was set back (`Fence::set_back`).
 fn previous_holder(
     found: Option<&LockLine>,
     place: &Place,
+    kernel_lock: bool,
     own_bound: std::time::Duration,
 ) -> Result<Previous, Fence> {
     Ok(match found {
@@ -617,9 +622,39 @@ fn previous_holder(
             bound: line.bound.max(own_bound),
             why: "taken_away",
         },
+        Some(line) if line.state == RecordState::Held && !kernel_lock => Previous::MayRun {
+            bound: line.bound.max(own_bound),
+            why: "shared_filesystem",
+        },
         Some(line) if line.state == RecordState::Held => Previous::Gone("tree_gone"),
         Some(line) => Previous::from_record(line.state, line.bound),
     })
+}
+
+/// Whether the file's locks are kept by this kernel alone: not on a network or user-space file
+/// system, whose server or daemon may drop a lock on its own. One that cannot be told is not.
+fn local_filesystem(file: &File) -> bool {
+    /// NFS, SMB, CIFS, SMB2, Ceph, FUSE (virtiofs too), 9P, AFS, Coda, GFS2, OCFS2, Lustre.
+    const SHARED: [i64; 12] = [
+        0x6969,
+        0x517B,
+        0xFF53_4D42,
+        0xFE53_4D42,
+        0x00C3_6400,
+        0x6573_5546,
+        0x0102_1997,
+        0x5346_414F,
+        0x7375_7245,
+        0x0116_1970,
+        0x7461_636F,
+        0x0BD0_0BD0,
+    ];
+    match nix::sys::statfs::fstatfs(file) {
+        // The magic's C type differs between C libraries and architectures.
+        #[allow(clippy::unnecessary_cast)]
+        Ok(found) => !SHARED.contains(&(found.filesystem_type().0 as i64)),
+        Err(_) => false,
+    }
 }
 
 /// What the held lock's file says: the holder, the last claimed window (kept across holders), and

@@ -764,12 +764,17 @@ updated_at DATETIME(6) NOT NULL)";
 
 /// The server that writes a row: replication needs every server's `server_id` to differ, and the
 /// host and port tell apart servers that keep the default one. A restart keeps it: committed rows
-/// survive a restart with InnoDB's default durability (`innodb_flush_log_at_trx_commit = 1`).
-const INCARNATION: &str = "CONCAT(@@hostname, ':', @@port, '#', @@server_id)";
+/// survive a restart only with InnoDB's default durability (`innodb_flush_log_at_trx_commit = 1`);
+/// a server without it reads as a new incarnation at every acquisition, so its rows prove nothing.
+/// Read with the row and written back as a literal: statement-based replication would evaluate the
+/// expression again on each replica, which would then take the rows for its own.
+const INCARNATION: &str = "CONCAT(@@hostname, ':', @@port, '#', @@server_id, \
+     IF(@@global.innodb_flush_log_at_trx_commit = 1, '', CONCAT(' not durable ', UUID())))";
 
-/// The server's clock in microseconds since the epoch; `NOW(6)` is the same everywhere in one
-/// statement.
-const NOW_US: &str = "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS UNSIGNED)";
+/// The server's clock in microseconds since the epoch, in UTC: a session time zone with daylight
+/// saving time would step `UNIX_TIMESTAMP(NOW())` back an hour once a year. The same everywhere in
+/// one statement.
+const NOW_US: &str = "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))";
 
 /// Server errors that mean no record can be kept here: no database named, no such database, no
 /// grant to see the table, a table of an older layout. Any other error is a failed acquisition.
@@ -791,21 +796,36 @@ async fn take_record(
     let own_bound = timings.detection_bound() + timings.grace_period;
     let limit = timings.check_timeout;
     let read = record_table::read_sql(name, INCARNATION);
-    let write = format!(
+    let write = |incarnation: &str| {
+        format!(
         "INSERT INTO sentinel_guard_locks \
          (name, fence, drawn_us, holder, state, bound_ms, incarnation, updated_at) \
-         VALUES ('{name}', LAST_INSERT_ID({NOW_US}), {NOW_US}, '{holder}', 'held', {}, {INCARNATION}, NOW(6)) \
+         VALUES ('{name}', LAST_INSERT_ID({NOW_US}), {NOW_US}, '{holder}', 'held', {}, '{incarnation}', NOW(6)) \
          ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(GREATEST(fence + 1, VALUES(drawn_us))), \
          drawn_us = VALUES(drawn_us), holder = VALUES(holder), state = 'held', \
          bound_ms = VALUES(bound_ms), incarnation = VALUES(incarnation), updated_at = VALUES(updated_at)",
         own_bound.as_millis()
-    );
+    )
+    };
     let mut created = false;
     let found = loop {
-        let answer = conn.query_first::<(String, u64, u64, u64, Option<i64>), _>(&read);
+        type Found = (
+            Option<String>,
+            Option<u64>,
+            Option<u64>,
+            Option<u64>,
+            Option<String>,
+            String,
+        );
+        let answer = conn.query_first::<Found, _>(&read);
         match timeout(limit, answer).await {
             Err(_) => return Err(no_answer(target, "SELECT FROM sentinel_guard_locks", limit)),
-            Ok(Ok(found)) => break found,
+            Ok(Ok(Some(found))) => break found,
+            Ok(Ok(None)) => {
+                return Err(LockError::Unsafe(
+                    "the lock record's SELECT returned no row".to_owned(),
+                ))
+            }
             Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_NO_SUCH_TABLE && !created => {
                 created = true;
                 match timeout(limit, conn.query_drop(LOCKS_TABLE)).await {
@@ -832,14 +852,21 @@ async fn take_record(
             Ok(Err(e)) => return Err(setup_error(target, e)),
         }
     };
-    let found = found.map(
-        |(state, bound_ms, token, drawn_us, same)| record_table::Row {
-            state,
-            bound_ms,
-            fence: Fence { token, drawn_us },
-            same_server: same == Some(1),
+    let (state, bound_ms, token, drawn_us, written_by, server) = found;
+    let found = state.map(|state| record_table::Row {
+        state,
+        bound_ms: bound_ms.unwrap_or(0),
+        fence: Fence {
+            token: token.unwrap_or(0),
+            drawn_us: drawn_us.unwrap_or(0),
         },
-    );
+        same_server: written_by.as_deref() == Some(server.as_str()),
+    });
+    // Host names are letters, digits, dots and dashes; anything else is kept out of the literal.
+    let server: String = server
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || ".-_:# ".contains(*c))
+        .collect();
     let previous = record_table::previous(found.as_ref(), own_bound).map_err(|fence| {
         LockError::Unsafe(set_back_error(
             name,
@@ -847,7 +874,7 @@ async fn take_record(
             &record_table::set_back_remedy(name),
         ))
     })?;
-    match timeout(limit, conn.query_drop(&write)).await {
+    match timeout(limit, conn.query_drop(write(&server))).await {
         Err(_) => return Err(no_answer(target, "INSERT INTO sentinel_guard_locks", limit)),
         Ok(Err(mysql_async::Error::Server(e))) if NO_RECORD_HERE.contains(&e.code) => {
             let user = target.opts.user().unwrap_or("<user>");

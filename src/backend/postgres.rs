@@ -516,9 +516,12 @@ bound_ms bigint NOT NULL, \
 incarnation text NOT NULL, \
 updated_at timestamptz NOT NULL)";
 
-/// The server that writes a row: its postmaster's start, to the microsecond. A promoted replica, a
-/// restarted server and a restored one all started at another time.
-const INCARNATION: &str = "pg_postmaster_start_time()::text";
+/// The server that writes a row: its postmaster's start, to the microsecond, as a number (text
+/// would follow the session's TimeZone and DateStyle). A promoted replica, a restarted server and a
+/// restored one all started at another time. A crash of one backend reinitialises the server
+/// without a new postmaster, and loses commits made with `synchronous_commit = off`: the record is
+/// written with `local` at least (a stronger setting is kept).
+const INCARNATION: &str = "extract(epoch FROM pg_postmaster_start_time())::text";
 
 /// Reads the lock record the previous holder left and writes this holder's, with the next fencing
 /// token (`Fence::next` of the previous one and the clock `now_us` the proof read), in one statement
@@ -539,7 +542,9 @@ async fn take_record(
     let limit = timings.check_timeout;
     // The CTE's SELECT sees the row as it was before the upsert; a set-back row is left as it is.
     let sql = format!(
-        "WITH prev AS ({read}), up AS (INSERT INTO sentinel_guard_locks \
+        "SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') \
+         WHEN 'off' THEN 'local' ELSE current_setting('synchronous_commit') END, false); \
+         WITH prev AS ({read}), up AS (INSERT INTO sentinel_guard_locks \
          (name, fence, drawn_us, holder, state, bound_ms, incarnation, updated_at) \
          SELECT '{name}', GREATEST(COALESCE((SELECT fence FROM prev) + 1, 0), {now_us}), {now_us}, \
          '{holder}', 'held', {bound}, {INCARNATION}, now() \
@@ -547,7 +552,7 @@ async fn take_record(
          ON CONFLICT (name) DO UPDATE SET fence = EXCLUDED.fence, drawn_us = EXCLUDED.drawn_us, \
          holder = EXCLUDED.holder, state = 'held', bound_ms = EXCLUDED.bound_ms, \
          incarnation = EXCLUDED.incarnation, updated_at = EXCLUDED.updated_at RETURNING fence) \
-         SELECT prev.*, (SELECT fence FROM up) FROM (SELECT 1) one LEFT JOIN prev ON true",
+         SELECT prev.*, (SELECT fence FROM up) FROM prev",
         read = record_table::read_sql(name, INCARNATION),
         bound = own_bound.as_millis(),
     );
@@ -555,7 +560,8 @@ async fn take_record(
     loop {
         let failure = match query(&session.client, &sql, limit).await {
             Ok(rows) => {
-                let row = rows.first().map(Vec::as_slice).unwrap_or_default();
+                // The upsert's row follows set_config's.
+                let row = rows.last().map(Vec::as_slice).unwrap_or_default();
                 let found = row
                     .first()
                     .cloned()
@@ -567,7 +573,9 @@ async fn take_record(
                             token: number(row, 2).unwrap_or(0),
                             drawn_us: number(row, 3).unwrap_or(0),
                         },
-                        same_server: is_true(row, 4),
+                        same_server: row.get(4).cloned().flatten().is_some_and(|written| {
+                            row.get(5).and_then(Option::as_deref) == Some(written.as_str())
+                        }),
                     });
                 let previous =
                     record_table::previous(found.as_ref(), own_bound).map_err(|fence| {
@@ -577,10 +585,10 @@ async fn take_record(
                             &record_table::set_back_remedy(name),
                         ))
                     })?;
-                let token = number(row, 5).ok_or_else(|| {
+                let token = number(row, 6).ok_or_else(|| {
                     LockError::Unsafe(format!(
                         "the lock record's upsert returned {:?}",
-                        row.get(5)
+                        row.get(6)
                     ))
                 })?;
                 return Ok((previous, token, true));

@@ -13,12 +13,13 @@ use crate::record::{Fence, Previous, RecordFacts, RecordState};
 
 pub const TABLE: &str = "sentinel_guard_locks";
 
-/// The previous holder's row: its state, bound, token, the clock it was drawn at, and whether this
-/// server wrote it (`incarnation`, the dialect's expression for the server now).
+/// The previous holder's row (its state, bound, token, the clock it was drawn at and the server
+/// that wrote it), and the server now (`incarnation`, the dialect's expression for it): one row,
+/// with the row's columns empty when there is none.
 pub fn read_sql(name: &str, incarnation: &str) -> String {
     format!(
-        "SELECT state, bound_ms, fence, drawn_us, incarnation = {incarnation} \
-         FROM {TABLE} WHERE name = '{name}'"
+        "SELECT state, bound_ms, fence, drawn_us, incarnation, {incarnation} \
+         FROM (SELECT 1) AS one LEFT JOIN {TABLE} ON name = '{name}'"
     )
 }
 

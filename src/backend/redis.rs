@@ -42,32 +42,56 @@ use crate::metrics::{CheckOutcome, Checks};
 use crate::record::{set_back_error, Previous, RecordFacts, RecordState};
 use crate::window::{Claim, UnixMicros, WindowOutcome};
 
+/// The dataset a script runs on, as a Lua function `dataset()`: the server process and its
+/// replication history (`ACQUIRE`), or `''` where `INFO` is refused or says neither.
+macro_rules! dataset_lua {
+    () => {
+        r"
+local function dataset()
+  local ok, server = pcall(redis.call, 'INFO', 'server')
+  local ok2, replication = pcall(redis.call, 'INFO', 'replication')
+  local run = ok and string.match(server, 'run_id:(%x+)')
+  local replid = ok2 and string.match(replication, 'master_replid:(%x+)')
+  if run and replid then
+    return run .. '/' .. replid
+  end
+  return ''
+end
+"
+    };
+}
+
 /// KEYS: lock, fence counter, clean marker, lease record. ARGV: token, holder, ttl (ms), this
 /// holder's "app dead by" bound (ms).
 ///
 /// The value is `<token> fence=<n> <holder>`; the token is its first word. Returns `{fence,
 /// previous, bound}`: fence 0 when held by another token. `previous` is 1 when the previous lease
 /// was released by its owner (its fence is the one recorded in the clean key), 2 when it ran out:
-/// the lease record (`<fence> <expiry µs> <bound ms> <run id>`, written at every grant and renewal)
-/// says its expiry has passed on the server's clock; else 0, as after a `DEL` of a live lease. With
-/// 2 and 0, the bound that holder recorded (0: none). A missing counter means a first acquisition or
-/// a server that lost its data: nobody can tell which, so it counts as 0. The clean marker names the
-/// server process that wrote it (`run_id`, new at every start): one restored from a snapshot or
-/// written before a restart may miss newer leases, and proves nothing.
+/// the lease record (`<fence> <expiry µs> <bound ms>`, written at every grant and renewal) says its
+/// expiry has passed on the server's clock; else 0, as after a `DEL` of a live lease. With 2 and 0,
+/// the bound that holder recorded (0: none). A missing counter means a first acquisition or a server
+/// that lost its data: nobody can tell which, so it counts as 0. The clean marker names the dataset
+/// that wrote it: the server process (`run_id`, new at every start) and its replication history
+/// (`master_replid`, new at every promotion and full resynchronisation). A marker restored from a
+/// snapshot, written before a restart, or carried through a failover and back may miss newer
+/// leases, and proves nothing; so does one written where `INFO` is not allowed (an ACL without
+/// `+info`): the hand-over then waits.
 /// Fence -1 is a counter set back below a token its records hold (`{-1, counter, recorded}`):
-/// nothing is written then.
+/// nothing is written then. A counter that is missing while its records remain (evicted under an
+/// `allkeys-*` policy) is not set back: it resumes above them, and the hand-over waits.
 ///
 /// Fencing tokens never go backwards, even when the server loses its data or a failover loses the
 /// newest increments: each token is the counter + 1 or the server's clock in microseconds (`TIME`),
 /// whichever is larger, so a counter that lost writes (or all of them) resumes above any token it
 /// gave out, unless it was incremented more than a million times a second or the new server's clock
 /// is behind the old one's by more than the time the failover took.
-const ACQUIRE: &str = r"
-local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+const ACQUIRE: &str = concat!(
+    dataset_lua!(),
+    r"
 local now = redis.call('TIME')
 local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local function record(fence)
-  redis.call('SET', KEYS[4], fence .. ' ' .. string.format('%.0f', micros + tonumber(ARGV[3]) * 1000) .. ' ' .. ARGV[4] .. ' ' .. run)
+  redis.call('SET', KEYS[4], fence .. ' ' .. string.format('%.0f', micros + tonumber(ARGV[3]) * 1000) .. ' ' .. ARGV[4])
 end
 local current = redis.call('GET', KEYS[1])
 if current then
@@ -81,15 +105,15 @@ if current then
 end
 local previous = redis.call('GET', KEYS[2])
 local counter = tonumber(previous or '0')
-local clean, clean_run = string.match(redis.call('GET', KEYS[3]) or '', '^(%d+) ?(%x*)$')
+local clean, clean_set = string.match(redis.call('GET', KEYS[3]) or '', '^(%d+) ?(%S*)$')
 local f, expiry, b = string.match(redis.call('GET', KEYS[4]) or '', '^(%d+) (%d+) (%d+)')
-for _, recorded in ipairs({clean or '0', f or '0'}) do
-  if tonumber(recorded) > counter then
-    return {-1, counter, tonumber(recorded)}
-  end
+local recorded = math.max(tonumber(clean or '0'), tonumber(f or '0'))
+if previous and recorded > counter then
+  return {-1, counter, recorded}
 end
 local status, bound = 0, 0
-if previous and previous == clean and clean_run == run then
+local here = dataset()
+if previous and previous == clean and clean_set == here and here ~= '' then
   status = 1
 elseif previous and f == previous then
   bound = tonumber(b)
@@ -97,14 +121,16 @@ elseif previous and f == previous then
     status = 2
   end
 end
-local fence = math.max(counter + 1, micros)
+-- A counter that is gone while its records are not (evicted, deleted) resumes above them.
+local fence = math.max(math.max(counter, recorded) + 1, micros)
 -- Lua would print a number this large as 1.79e+15: the records keep every digit.
 local fenced = string.format('%.0f', fence)
 redis.call('SET', KEYS[2], fenced)
 redis.call('SET', KEYS[1], ARGV[1] .. ' fence=' .. fenced .. ' ' .. ARGV[2], 'NX', 'PX', ARGV[3])
 record(fenced)
 return {fence, status, bound}
-";
+"
+);
 
 /// KEYS: lock, lease record. ARGV: token, ttl (ms), fence, this holder's bound (ms). The lease
 /// record follows the lease's expiry, so the next holder can tell a lease that ran out from one
@@ -112,28 +138,29 @@ return {fence, status, bound}
 const RENEW: &str = r"
 local current = redis.call('GET', KEYS[1])
 if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
-  local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
   local now = redis.call('TIME')
   local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  redis.call('SET', KEYS[2], ARGV[3] .. ' ' .. string.format('%.0f', micros + tonumber(ARGV[2]) * 1000) .. ' ' .. ARGV[4] .. ' ' .. run)
+  redis.call('SET', KEYS[2], ARGV[3] .. ' ' .. string.format('%.0f', micros + tonumber(ARGV[2]) * 1000) .. ' ' .. ARGV[4])
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
 ";
 
 /// KEYS: lock, clean marker, release channel (a channel, listed for cluster routing). The marker
-/// names the server process that wrote it, as the lease record does.
-const RELEASE: &str = r"
+/// names the dataset that wrote it (`ACQUIRE`).
+const RELEASE: &str = concat!(
+    dataset_lua!(),
+    r"
 local current = redis.call('GET', KEYS[1])
 if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
-  local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
   redis.call('DEL', KEYS[1])
-  redis.call('SET', KEYS[2], string.match(current, ' fence=(%d+)') .. ' ' .. run)
+  redis.call('SET', KEYS[2], string.match(current, ' fence=(%d+)') .. ' ' .. dataset())
   redis.call('PUBLISH', KEYS[3], ARGV[1])
   return 1
 end
 return 0
-";
+"
+);
 
 /// Claims a window for a scheduled run. KEYS: lock, window claim. ARGV: token, window start (µs),
 /// window end (µs), claim record without its time. The claim has no expiry, like the fencing

@@ -232,13 +232,28 @@ pub fn send(pid: i32, signal: i32) {
 pub struct Lab {
     pub dir: TempDir,
     started: usize,
+    /// Whether guards keep the default takeover setting (`auto`); see `Lab::new`.
+    default_takeover: bool,
 }
 
 impl Lab {
+    /// Guards started here hold no takeover delay unless their flags ask for one
+    /// (`SENTINEL_GUARD_TAKEOVER_DELAY=0s`): a fresh lock has no record, and the default would wait
+    /// the bound at every first start. For tests of other things than the takeover; the takeover
+    /// with defaults is tested in a `Lab::with_default_takeover`.
     pub fn new() -> Lab {
         Lab {
             dir: tempfile::tempdir().unwrap(),
             started: 0,
+            default_takeover: false,
+        }
+    }
+
+    /// Guards started here keep every default, the takeover setting included.
+    pub fn with_default_takeover() -> Lab {
+        Lab {
+            default_takeover: true,
+            ..Lab::new()
         }
     }
 
@@ -262,6 +277,9 @@ impl Lab {
             if key.starts_with("SENTINEL_GUARD_") || key == "SINGLE_INSTANCE_GUARD" {
                 cmd.env_remove(key);
             }
+        }
+        if !self.default_takeover {
+            cmd.env("SENTINEL_GUARD_TAKEOVER_DELAY", "0s");
         }
         cmd.stdin(Stdio::null()).stdout(Stdio::null());
         cmd
