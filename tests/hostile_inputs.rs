@@ -97,10 +97,16 @@ fn new_and_own_lock_files_are_used_and_stay_recognisable() {
     let mode = fs::metadata(&lock).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode & 0o022, 0, "lock file is writable by others: {mode:o}");
     let released = fs::read_to_string(&lock).unwrap();
-    assert!(
-        released.starts_with("# sentinel-guard lock file\nlock_state=released fence=2 "),
-        "a released lock keeps the magic line and its lock record, no holder: {released:?}"
-    );
+    // The token of the last acquisition: at least the host clock in microseconds when it was drawn.
+    let fence: u64 = released
+        .strip_prefix("# sentinel-guard lock file\nlock_state=released fence=")
+        .and_then(|rest| rest.split(' ').next()?.parse().ok())
+        .unwrap_or_else(|| {
+            panic!(
+                "a released lock keeps the magic line and its lock record, no holder: {released:?}"
+            )
+        });
+    assert!(fence > 1_700_000_000_000_000, "{released:?}");
     // An empty file (created by an operator, say) is taken as a lock file too.
     let empty = lab.path("empty.lock");
     fs::write(&empty, "").unwrap();
