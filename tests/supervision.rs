@@ -415,9 +415,10 @@ fn an_app_that_kills_its_guard_as_it_starts_leaves_nothing_running() {
         wait_until(Duration::from_secs(2), || !alive(grandchild)),
         "grandchild {grandchild} outlived its SIGKILLed guard"
     );
-    // The watchdog frees the file lock once the group is gone: the next guard gets it.
+    // The watchdog frees the file lock once it has seen the app's cgroup empty, a moment after
+    // the grandchild's death: the next guard gets it within a few seconds.
     let (code, log) = lab.run(
-        &guard_args("first", &url, &[]),
+        &guard_args("first", &url, &["--wait=3s"]),
         &["true"],
         Duration::from_secs(5),
     );
