@@ -292,5 +292,18 @@ fn a_fencing_counter_set_back_by_hand_starts_no_app_and_exits_69() {
             .collect();
         assert_eq!(given.len(), 3, "{}: {given:?}", backend.name());
         assert_growing(&given, &backend);
+        // `status` shows the record: released, with the last token given.
+        let out = std::process::Command::new(GUARD)
+            .args(["status", "--url", &url, "--name", NAME])
+            .output()
+            .unwrap();
+        let line = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(3), "{}: {line}", backend.name());
+        assert!(
+            line.contains("record_state=released")
+                && line.contains(&format!("fencing_token={}", given[2])),
+            "{}: {line}",
+            backend.name()
+        );
     }
 }
