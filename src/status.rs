@@ -26,34 +26,26 @@ pub async fn run(config: &StatusConfig) -> u8 {
     match answer {
         Ok(holder) => {
             // Scheduled runs' last window, when the lock has ever been used for them.
-            let claim = match backend::last_claim(
-                &config.target,
-                &config.name,
-                config.connect_timeout,
-                config.check_timeout,
-            )
-            .await
-            {
-                Ok(claim) => claim,
-                Err(e) => {
-                    eprintln!("sentinel-guard: warning: cannot read the last claimed window: {e}");
-                    None
-                }
-            };
-            let record = match backend::last_record(
-                &config.target,
-                &config.name,
-                config.connect_timeout,
-                config.check_timeout,
-            )
-            .await
-            {
-                Ok(record) => record,
-                Err(e) => {
-                    eprintln!("sentinel-guard: warning: cannot read the lock record: {e}");
-                    None
-                }
-            };
+            let claim = or_warn(
+                "the last claimed window",
+                backend::last_claim(
+                    &config.target,
+                    &config.name,
+                    config.connect_timeout,
+                    config.check_timeout,
+                )
+                .await,
+            );
+            let record = or_warn(
+                "the lock record",
+                backend::last_record(
+                    &config.target,
+                    &config.name,
+                    config.connect_timeout,
+                    config.check_timeout,
+                )
+                .await,
+            );
             print_line(&render(config, holder.as_ref(), record, claim.as_ref()));
             if holder.is_some() {
                 EXIT_HELD
@@ -71,6 +63,14 @@ pub async fn run(config: &StatusConfig) -> u8 {
             EXIT_UNAVAILABLE
         }
     }
+}
+
+/// What was read, or nothing with a warning: the holder is the answer, the rest is detail.
+fn or_warn<T>(what: &str, read: Result<Option<T>, backend::LockError>) -> Option<T> {
+    read.unwrap_or_else(|e| {
+        eprintln!("sentinel-guard: warning: cannot read {what}: {e}");
+        None
+    })
 }
 
 /// A closed stdout (`status | head -c1`) is a reader that has seen enough, not an error: the exit
