@@ -25,7 +25,7 @@ use super::{
 use crate::config::{LockName, MysqlTarget, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
-use crate::record::{set_back_error, Fence, Previous, RecordFacts, RecordState};
+use crate::record::{Fence, Previous, RecordFacts, RecordState};
 use crate::window::{Claim, RunEnd, UnixMicros};
 
 /// Server error codes that mean the server ended our session rather than refused one statement.
@@ -867,13 +867,8 @@ async fn take_record(
         .chars()
         .filter(|c| c.is_ascii_alphanumeric() || ".-_:# ".contains(*c))
         .collect();
-    let previous = record_table::previous(found.as_ref(), own_bound).map_err(|fence| {
-        LockError::Unsafe(set_back_error(
-            name,
-            &fence.set_back_detail(),
-            &record_table::set_back_remedy(name),
-        ))
-    })?;
+    let previous =
+        record_table::previous(name, found.as_ref(), own_bound).map_err(LockError::Unsafe)?;
     match timeout(limit, conn.query_drop(write(&server))).await {
         Err(_) => return Err(no_answer(target, "INSERT INTO sentinel_guard_locks", limit)),
         Ok(Err(mysql_async::Error::Server(e))) if NO_RECORD_HERE.contains(&e.code) => {

@@ -39,7 +39,7 @@ use super::{
 use crate::config::{LockName, PostgresTarget, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
-use crate::record::{set_back_error, Fence, Previous, RecordFacts, RecordState};
+use crate::record::{Fence, Previous, RecordFacts, RecordState};
 use crate::window::{Claim, RunEnd, UnixMicros};
 
 use tls::Tls;
@@ -577,14 +577,8 @@ async fn take_record(
                             row.get(5).and_then(Option::as_deref) == Some(written.as_str())
                         }),
                     });
-                let previous =
-                    record_table::previous(found.as_ref(), own_bound).map_err(|fence| {
-                        LockError::Unsafe(set_back_error(
-                            name,
-                            &fence.set_back_detail(),
-                            &record_table::set_back_remedy(name),
-                        ))
-                    })?;
+                let previous = record_table::previous(name, found.as_ref(), own_bound)
+                    .map_err(LockError::Unsafe)?;
                 let token = number(row, 6).ok_or_else(|| {
                     LockError::Unsafe(format!(
                         "the lock record's upsert returned {:?}",

@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use crate::record::{Fence, Previous, RecordFacts, RecordState};
+use crate::record::{set_back_error, Fence, Previous, RecordFacts, RecordState};
 
 pub const TABLE: &str = "sentinel_guard_locks";
 
@@ -47,14 +47,18 @@ pub struct Row {
 }
 
 /// What the row found says of the previous holder: no row, or one this program cannot read, is no
-/// record, and the previous holder's app may run for up to `own_bound`. `Err` with the set-back
-/// token when the row was not written by a holder (`Fence::set_back`).
-pub fn previous(found: Option<&Row>, own_bound: Duration) -> Result<Previous, Fence> {
+/// record, and the previous holder's app may run for up to `own_bound`. `Err` with why, and what
+/// to do, when the row of lock `name` was not written by a holder (`Fence::set_back`).
+pub fn previous(name: &str, found: Option<&Row>, own_bound: Duration) -> Result<Previous, String> {
     let Some(row) = found else {
         return Ok(no_record(own_bound));
     };
     if row.fence.set_back() {
-        return Err(row.fence);
+        return Err(set_back_error(
+            name,
+            &row.fence.set_back_detail(),
+            &set_back_remedy(name),
+        ));
     }
     let bound = Duration::from_millis(row.bound_ms);
     Ok(match RecordState::parse(&row.state) {
@@ -80,7 +84,7 @@ pub fn facts(state: &str, token: u64) -> Option<RecordFacts> {
 }
 
 /// What to do about a set-back counter, for the error.
-pub fn set_back_remedy(name: &str) -> String {
+fn set_back_remedy(name: &str) -> String {
     format!(
         "If the counter was reset on purpose, delete the record (DELETE FROM {TABLE} WHERE name = \
          '{name}') while no guard holds the lock: the next holder starts a new one above the clock"
@@ -107,11 +111,11 @@ mod tests {
     fn a_row_of_this_server_says_what_its_state_says_and_anything_else_proves_nothing() {
         let own = Duration::from_secs(12);
         assert_eq!(
-            previous(Some(&row("released", 100, true)), own),
+            previous("n", Some(&row("released", 100, true)), own),
             Ok(Previous::Gone("released"))
         );
         assert_eq!(
-            previous(Some(&row("held", 100, true)), own),
+            previous("n", Some(&row("held", 100, true)), own),
             Ok(Previous::MayRun {
                 bound: Duration::from_secs(3),
                 why: "taken_away"
@@ -119,18 +123,18 @@ mod tests {
         );
         // Replicated from, or left by, another incarnation of the server.
         assert_eq!(
-            previous(Some(&row("released", 100, false)), own),
+            previous("n", Some(&row("released", 100, false)), own),
             Ok(Previous::MayRun {
                 bound: own,
                 why: "other_server"
             })
         );
         assert_eq!(
-            previous(Some(&row("odd", 100, true)), own),
+            previous("n", Some(&row("odd", 100, true)), own),
             Ok(no_record(own))
         );
-        assert_eq!(previous(None, own), Ok(no_record(own)));
-        assert!(previous(Some(&row("released", 5, true)), own).is_err());
+        assert_eq!(previous("n", None, own), Ok(no_record(own)));
+        assert!(previous("n", Some(&row("released", 5, true)), own).is_err());
         assert!(mark_sql("n", "h", RecordState::TreeGone).contains("state = 'tree_gone'"));
     }
 }
