@@ -650,9 +650,10 @@ fn local_filesystem(file: &File) -> bool {
         0x0BD0_0BD0,
     ];
     match nix::sys::statfs::fstatfs(file) {
-        // The magic's C type differs between C libraries and architectures.
+        // The magic's C type differs between C libraries and architectures: a signed 32-bit one
+        // would make CIFS's and SMB2's negative, so it is read as its 32 bits.
         #[allow(clippy::unnecessary_cast)]
-        Ok(found) => !SHARED.contains(&(found.filesystem_type().0 as i64)),
+        Ok(found) => !SHARED.contains(&((found.filesystem_type().0 as u32) as i64)),
         Err(_) => false,
     }
 }

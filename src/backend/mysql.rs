@@ -760,7 +760,7 @@ holder VARCHAR(64) NOT NULL, \
 state VARCHAR(16) NOT NULL, \
 bound_ms BIGINT UNSIGNED NOT NULL, \
 incarnation VARCHAR(320) NOT NULL, \
-updated_at DATETIME(6) NOT NULL)";
+updated_at DATETIME(6) NOT NULL) ENGINE=InnoDB";
 
 /// The server that writes a row: replication needs every server's `server_id` to differ, and the
 /// host and port tell apart servers that keep the default one. A restart keeps it: committed rows
