@@ -138,7 +138,18 @@ fn refused_connection_exits_69() {
 fn exit_status_passes_through() {
     let mut lab = Lab::new();
     let url = lab.file_url("codes.lock");
+    // execvp's rules, which the guard's own exec keeps: a file without `#!` runs under /bin/sh, a
+    // file without the execute bit is 126, an empty name is not found.
+    let script = lab.path("no-shebang");
+    std::fs::write(&script, "exit 9\n").unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let plain = lab.path("not-executable");
+    std::fs::write(&plain, "exit 0\n").unwrap();
+    let (script, plain) = (script.display().to_string(), plain.display().to_string());
     let cases: &[(&[&str], i32)] = &[
+        (&[&script], 9),
+        (&[&plain], 126),
+        (&[""], 127),
         (&["sh", "-c", "exit 7"], 7),
         (&["sh", "-c", "kill -9 $$"], 137),
         (&["sh", "-c", "kill -15 $$"], 143),

@@ -8,7 +8,6 @@ mod tree;
 pub mod watchdog;
 
 use std::collections::HashSet;
-use std::fs::File;
 use std::sync::Once;
 use std::time::Duration;
 
@@ -91,7 +90,7 @@ impl Supervisor {
         dead_by: Option<Deadline>,
     ) -> Result<Supervisor, StartError> {
         let mut reaper = reaper::Reaper::register().map_err(StartError::Setup)?;
-        let (cgroup, procs) = app_cgroup().unzip();
+        let (cgroup, entry) = app_cgroup().unzip();
         // Without its dead man's switch the app must not run.
         let mut watchdog =
             match Watchdog::spawn(stop, &env.set, env.remove, farewell, cgroup.as_ref()) {
@@ -108,7 +107,7 @@ impl Supervisor {
             watchdog.send(Message::LockDeadline(dead_by));
         }
         let not_after = dead_by.unwrap_or(Deadline::NEVER);
-        let app = match spawn::spawn(command, env, watchdog.app_link(), not_after, procs.as_ref()) {
+        let app = match spawn::spawn(command, env, watchdog.app_link(), not_after, entry.as_ref()) {
             Ok(app) => app,
             Err(not_started) => {
                 let error = match not_started {
@@ -127,8 +126,8 @@ impl Supervisor {
                     }
                     NotStarted::WatchdogGone => StartError::Watchdog(watchdog.exec_error()),
                 };
-                // A command whose exec failed had told the watchdog its group, and std has reaped
-                // it already, so the stand-down follows at once. (A guard killed in between would
+                // A command whose exec failed had told the watchdog its group, and `spawn` has
+                // reaped it already, so the stand-down follows at once. (A guard killed in between would
                 // leave the watchdog signalling that number: pids are handed out in rising order
                 // and come round again only after the whole range, so within the microseconds of
                 // this window it names no other process.)
@@ -366,18 +365,17 @@ fn signal_app(app: Pid, cgroup: Option<&AppCgroup>, signal: Signal) -> Vec<Pid> 
     }
 }
 
-/// The app's cgroup, and its procs file opened for the app's process to join it; none where no
+/// The app's cgroup, and the ways in for the app's process; none where no
 /// cgroup can be made, which is said once: as PID 1 the kernel ends every process of the namespace
 /// with the guard, otherwise a process that leaves the app's group outlives a guard's SIGKILL.
-fn app_cgroup() -> Option<(AppCgroup, File)> {
+fn app_cgroup() -> Option<(AppCgroup, cgroup::Entry)> {
     static SAID: Once = Once::new();
-    let made = AppCgroup::create().and_then(|cgroup| {
-        match File::options().write(true).open(cgroup.procs_file()) {
-            Ok(procs) => Ok((cgroup, procs)),
-            Err(e) => {
-                cgroup.remove();
-                Err(format!("{}: {e}", cgroup.procs_file().display()))
-            }
+    let made = AppCgroup::create().and_then(|cgroup| match cgroup.entry() {
+        Ok(entry) => Ok((cgroup, entry)),
+        Err(e) => {
+            let reason = format!("{}: {e}", cgroup.dir().display());
+            cgroup.remove();
+            Err(reason)
         }
     });
     match made {

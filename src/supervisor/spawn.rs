@@ -1,20 +1,23 @@
 //! Starting the app: no shell, its own process group, killed with the guard, clean signal state.
 
-use std::ffi::OsString;
+use std::collections::BTreeMap;
+use std::ffi::{CString, OsStr, OsString};
 use std::fs::File;
-use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
-use std::os::unix::process::CommandExt;
-use std::process::Command;
+use std::io::{self, Read};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
 use std::sync::OnceLock;
 
+use nix::fcntl::OFlag;
 use nix::libc::{self, rlim_t};
 use nix::sys::prctl;
 use nix::sys::resource::{getrlimit, setrlimit, Resource};
-use nix::sys::signal::{raise, sigprocmask, SigSet, SigmaskHow, Signal};
-use nix::unistd::{getpgrp, getpid, getppid, isatty, setpgid, tcgetpgrp, tcsetpgrp, Pid};
+use nix::sys::signal::{kill, sigprocmask, SigSet, SigmaskHow, Signal};
+use nix::sys::wait::waitpid;
+use nix::unistd::{getpgrp, getpid, getppid, isatty, pipe2, setpgid, tcgetpgrp, tcsetpgrp, Pid};
 use thiserror::Error;
 
+use super::cgroup::Entry;
 use super::watchdog::{AppLink, Message};
 use crate::deadline::Deadline;
 
@@ -73,9 +76,9 @@ pub struct AppEnv<'a> {
 }
 
 /// Spawns the app and returns its pid, which is also its process group id. Before it executes the
-/// command, the app's process moves itself into `cgroup` (the app's cgroup's procs file, if there is
-/// one), waits until the watchdog runs, writes its group down the watchdog's pipe, and reads the
-/// boot clock itself: past `dead_by` it does not run the command at all.
+/// command, the app's process is in `cgroup` (if there is one), waits until the watchdog runs,
+/// writes its group down the watchdog's pipe, and reads the boot clock itself: past `dead_by` it does
+/// not run the command at all.
 ///
 /// Must run on the thread that lives as long as the guard: `PR_SET_PDEATHSIG` fires when the
 /// spawning *thread* exits, not the process.
@@ -84,48 +87,276 @@ pub fn spawn(
     env: &AppEnv<'_>,
     watchdog: AppLink,
     dead_by: Deadline,
-    cgroup: Option<&File>,
+    cgroup: Option<&Entry>,
 ) -> Result<Pid, NotStarted> {
-    let (program, args) = command.split_first().expect("clap requires a command");
-    let mut cmd = Command::new(program);
-    cmd.args(args);
-    for key in env.remove {
-        cmd.env_remove(key);
-    }
-    for (key, value) in &env.set {
-        cmd.env(key, value);
-    }
-    let guard_pid = getpid();
-    let take_foreground = owns_terminal_foreground();
-    let nofile = STARTING_NOFILE.get().copied();
-    let cgroup = cgroup.map(File::as_raw_fd);
-    // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system calls;
-    // it allocates nothing.
-    unsafe {
-        cmd.pre_exec(move || {
-            if let Some((soft, hard)) = nofile {
-                setrlimit(Resource::RLIMIT_NOFILE, soft, hard)?;
-            }
-            prepare_child(guard_pid, take_foreground, watchdog, dead_by, cgroup)
-        });
-    }
+    let (program, _) = command.split_first().expect("clap requires a command");
     let describe = || program.to_string_lossy().into_owned();
-    match cmd.spawn() {
-        Ok(child) => Ok(Pid::from_raw(child.id() as i32)),
-        Err(e) if e.raw_os_error() == Some(LINK_FAILED) => Err(NotStarted::WatchdogGone),
-        Err(e) if e.raw_os_error() == Some(DEADLINE_PASSED) => Err(NotStarted::DeadlinePassed),
-        Err(e) if e.raw_os_error() == Some(CGROUP_JOIN_FAILED) => Err(NotStarted::CgroupJoin),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            Err(NotStarted::Command(SpawnError::NotFound {
-                command: describe(),
-            }))
-        }
-        Err(e) => Err(NotStarted::Command(SpawnError::NotExecutable {
+    let not_executable = |source| {
+        NotStarted::Command(SpawnError::NotExecutable {
             command: describe(),
-            source: e,
-        })),
+            source,
+        })
+    };
+    let mut exec = Exec::prepare(command, env).map_err(not_executable)?;
+    let setup = ChildSetup {
+        guard_pid: getpid(),
+        take_foreground: owns_terminal_foreground(),
+        nofile: STARTING_NOFILE.get().copied(),
+        watchdog,
+        dead_by,
+        procs: cgroup.map(|entry| entry.procs.as_raw_fd()),
+    };
+    let (errors, error_pipe) =
+        pipe2(OFlag::O_CLOEXEC).map_err(|e| not_executable(io::Error::from(e)))?;
+    let born_into = cgroup.and_then(|entry| entry.dir.as_ref());
+    // SAFETY: the child only makes async-signal-safe system calls on memory prepared before the
+    // fork (`ChildSetup`, `Exec`), and never returns: it executes the command or exits.
+    let child = unsafe { fork_into(born_into) };
+    match child {
+        Ok((None, joined)) => unsafe {
+            run_child(&setup, joined, &mut exec, error_pipe.as_raw_fd())
+        },
+        Ok((Some(pid), _)) => {
+            drop(error_pipe);
+            match exec_errno(errors) {
+                None => Ok(pid),
+                Some(errno) => {
+                    // It exits at once after saying why: reaped here, as nothing else tracks it.
+                    let _ = waitpid(pid, None);
+                    Err(match errno {
+                        LINK_FAILED => NotStarted::WatchdogGone,
+                        DEADLINE_PASSED => NotStarted::DeadlinePassed,
+                        CGROUP_JOIN_FAILED => NotStarted::CgroupJoin,
+                        libc::ENOENT => NotStarted::Command(SpawnError::NotFound {
+                            command: describe(),
+                        }),
+                        errno => not_executable(io::Error::from_raw_os_error(errno)),
+                    })
+                }
+            }
+        }
+        Err(e) => Err(not_executable(io::Error::from(e))),
     }
 }
+
+/// Forks; in the child `None` and whether it was born into `cgroup`. `clone3(CLONE_INTO_CGROUP)`
+/// first, then a plain fork where the kernel or the cgroup refuses it (the child then joins by the
+/// procs file, which reports any failure the usual way).
+///
+/// # Safety
+/// As `fork`: in a threaded process the child may only make async-signal-safe calls before exec.
+unsafe fn fork_into(cgroup: Option<&File>) -> nix::Result<(Option<Pid>, bool)> {
+    if let Some(dir) = cgroup {
+        let mut args = CloneArgs {
+            flags: CLONE_INTO_CGROUP,
+            exit_signal: libc::SIGCHLD as u64,
+            cgroup: dir.as_raw_fd() as u64,
+            ..CloneArgs::default()
+        };
+        // SAFETY: without CLONE_VM the child gets a copy of this stack, as with fork(2).
+        let pid = unsafe {
+            libc::syscall(
+                libc::SYS_clone3,
+                &mut args as *mut CloneArgs,
+                std::mem::size_of::<CloneArgs>(),
+            )
+        };
+        match pid {
+            0 => return Ok((None, true)),
+            pid if pid > 0 => return Ok((Some(Pid::from_raw(pid as i32)), true)),
+            // Refused (a kernel before 5.7, a seccomp filter such as Docker's default one that
+            // answers ENOSYS, a cgroup that takes no process): the slower way in, said once.
+            _ => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                let error = io::Error::last_os_error();
+                SAID.call_once(|| {
+                    tracing::debug!(error = %error, "clone3 into the app's cgroup refused; the app joins it by its procs file");
+                });
+            }
+        }
+    }
+    // SAFETY: as above.
+    match unsafe { libc::fork() } {
+        0 => Ok((None, false)),
+        pid if pid > 0 => Ok((Some(Pid::from_raw(pid)), false)),
+        _ => Err(nix::errno::Errno::last()),
+    }
+}
+
+/// From `linux/sched.h`: libc's constant is a 32-bit int that this value overflows.
+const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
+
+/// `struct clone_args` of `linux/sched.h` up to `cgroup` (Linux 5.7), declared here: libc has it
+/// for 64-bit targets only.
+#[repr(C)]
+#[derive(Default)]
+struct CloneArgs {
+    flags: u64,
+    pidfd: u64,
+    child_tid: u64,
+    parent_tid: u64,
+    exit_signal: u64,
+    stack: u64,
+    stack_size: u64,
+    tls: u64,
+    set_tid: u64,
+    set_tid_size: u64,
+    cgroup: u64,
+}
+
+/// What the child needs, read before the fork.
+struct ChildSetup {
+    guard_pid: Pid,
+    take_foreground: bool,
+    nofile: Option<(rlim_t, rlim_t)>,
+    watchdog: AppLink,
+    dead_by: Deadline,
+    procs: Option<RawFd>,
+}
+
+/// The app's process after the fork: set up, then the command, or its errno down `error_pipe` and
+/// exit. Async-signal-safe throughout.
+///
+/// # Safety
+/// Only in the child of `fork_into`.
+unsafe fn run_child(setup: &ChildSetup, joined: bool, exec: &mut Exec, error_pipe: RawFd) -> ! {
+    let errno = match prepare_child(setup, joined) {
+        Ok(()) => exec.run(),
+        Err(e) => e.raw_os_error().unwrap_or(libc::EINVAL),
+    };
+    let bytes = errno.to_ne_bytes();
+    // SAFETY: write(2) of a stack buffer, then _exit(2): no destructor, no atexit handler of the
+    // guard runs in this copy of it.
+    unsafe {
+        libc::write(error_pipe, bytes.as_ptr().cast(), bytes.len());
+        libc::_exit(127)
+    }
+}
+
+/// The errno the child sent, or none once the pipe closed empty: the command runs.
+fn exec_errno(errors: OwnedFd) -> Option<i32> {
+    let mut bytes = [0u8; 4];
+    match File::from(errors).read_exact(&mut bytes) {
+        Ok(()) => Some(i32::from_ne_bytes(bytes)),
+        // Closed by exec (close-on-exec) with nothing written.
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => None,
+        Err(e) => Some(e.raw_os_error().unwrap_or(libc::EIO)),
+    }
+}
+
+/// The command's argument vector, environment and candidate paths, built before the fork, so the
+/// child only points at them. The search is `execvp`'s: each `PATH` entry (the app's `PATH`) in
+/// turn, past ones that are missing or not permitted, and a file without `#!` run by `/bin/sh`.
+struct Exec {
+    candidates: Vec<CString>,
+    _argv: Vec<CString>,
+    argv: Vec<*const libc::c_char>,
+    _envp: Vec<CString>,
+    envp: Vec<*const libc::c_char>,
+    /// `/bin/sh`, the candidate (filled in by the child), the arguments.
+    script: Vec<*const libc::c_char>,
+}
+
+/// glibc's search path when `PATH` is unset.
+const DEFAULT_PATH: &str = "/bin:/usr/bin";
+
+impl Exec {
+    fn prepare(command: &[OsString], env: &AppEnv<'_>) -> io::Result<Exec> {
+        let cstring = |bytes: &[u8]| {
+            CString::new(bytes).map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "a NUL byte in the command or its environment",
+                )
+            })
+        };
+        let mut vars: BTreeMap<OsString, OsString> = std::env::vars_os().collect();
+        for key in env.remove {
+            vars.remove(OsStr::new(key));
+        }
+        for (key, value) in &env.set {
+            vars.insert(key.into(), value.into());
+        }
+        let envp_owned = vars
+            .iter()
+            .map(|(key, value)| cstring(&[key.as_bytes(), b"=", value.as_bytes()].concat()))
+            .collect::<io::Result<Vec<_>>>()?;
+        let argv_owned = command
+            .iter()
+            .map(|arg| cstring(arg.as_bytes()))
+            .collect::<io::Result<Vec<_>>>()?;
+        let program = command[0].as_bytes();
+        let candidates = if program.is_empty() {
+            // execvp's answer to an empty name: not found.
+            Vec::new()
+        } else if program.contains(&b'/') {
+            vec![cstring(program)?]
+        } else {
+            let path = vars
+                .get(OsStr::new("PATH"))
+                .map_or(DEFAULT_PATH.as_bytes(), |path| path.as_bytes());
+            path.split(|b| *b == b':')
+                // An empty entry is the working directory, as for execvp.
+                .map(|dir| match dir {
+                    b"" => cstring(program),
+                    dir => cstring(&[dir, b"/", program].concat()),
+                })
+                .collect::<io::Result<Vec<_>>>()?
+        };
+        let pointers = |strings: &[CString]| {
+            strings
+                .iter()
+                .map(|s| s.as_ptr())
+                .chain(std::iter::once(std::ptr::null()))
+                .collect::<Vec<_>>()
+        };
+        let argv = pointers(&argv_owned);
+        let envp = pointers(&envp_owned);
+        let mut script = vec![SH.as_ptr(), std::ptr::null()];
+        script.extend_from_slice(&argv[1..]);
+        Ok(Exec {
+            candidates,
+            _argv: argv_owned,
+            argv,
+            _envp: envp_owned,
+            envp,
+            script,
+        })
+    }
+
+    /// Executes the first candidate that can be; returns the errno `execvp` would. In the child.
+    fn run(&mut self) -> i32 {
+        let mut denied = false;
+        let mut last = libc::ENOENT;
+        for candidate in &self.candidates {
+            // SAFETY: NUL-terminated strings and null-terminated vectors built before the fork.
+            unsafe { libc::execve(candidate.as_ptr(), self.argv.as_ptr(), self.envp.as_ptr()) };
+            last = io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EINVAL);
+            match last {
+                libc::ENOEXEC => {
+                    self.script[1] = candidate.as_ptr();
+                    // SAFETY: as above.
+                    unsafe { libc::execve(SH.as_ptr(), self.script.as_ptr(), self.envp.as_ptr()) };
+                    return io::Error::last_os_error()
+                        .raw_os_error()
+                        .unwrap_or(libc::EINVAL);
+                }
+                libc::EACCES => denied = true,
+                libc::ENOENT | libc::ENOTDIR | libc::ESTALE | libc::ENODEV | libc::ETIMEDOUT => {}
+                other => return other,
+            }
+        }
+        if denied {
+            libc::EACCES
+        } else {
+            last
+        }
+    }
+}
+
+const SH: &std::ffi::CStr = c"/bin/sh";
 
 /// Whether stdin is a terminal whose foreground is the guard's own group. Only then does the app take
 /// the foreground: a guard started in the background of an interactive shell must not steal it.
@@ -135,23 +366,20 @@ fn owns_terminal_foreground() -> bool {
     isatty(stdin).unwrap_or(false) && tcgetpgrp(stdin).ok() == Some(getpgrp())
 }
 
-fn prepare_child(
-    guard_pid: Pid,
-    take_foreground: bool,
-    watchdog: AppLink,
-    dead_by: Deadline,
-    cgroup: Option<RawFd>,
-) -> io::Result<()> {
+fn prepare_child(setup: &ChildSetup, joined: bool) -> io::Result<()> {
+    if let Some((soft, hard)) = setup.nofile {
+        setrlimit(Resource::RLIMIT_NOFILE, soft, hard)?;
+    }
     // Its own group, so one signal reaches the app and everything it forks.
     setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
     prctl::set_pdeathsig(Signal::SIGKILL)?;
     // The guard may have died between fork and prctl; then no death signal will ever come.
-    if getppid() != guard_pid {
-        let _ = raise(Signal::SIGKILL);
+    if getppid() != setup.guard_pid {
+        let _ = kill(own_pid(), Signal::SIGKILL);
     }
     // Into the app's cgroup before anything of the app can fork, so nothing it ever forks is
     // outside. "0" is the writing process itself.
-    if let Some(procs) = cgroup {
+    if let Some(procs) = setup.procs.filter(|_| !joined) {
         loop {
             // SAFETY: write(2) of a static buffer to a descriptor the guard opened for it.
             match unsafe { libc::write(procs, b"0".as_ptr().cast(), 1) } {
@@ -161,31 +389,38 @@ fn prepare_child(
             }
         }
     }
-    await_watchdog_exec(watchdog.exec_status)
+    await_watchdog_exec(setup.watchdog.exec_status)
         .map_err(|_| io::Error::from_raw_os_error(LINK_FAILED))?;
     // Passed already: the watchdog is not told a group whose process will not run the command
     // (std reaps it, and the number is free for another process).
-    if dead_by.has_passed() {
+    if setup.dead_by.has_passed() {
         return Err(io::Error::from_raw_os_error(DEADLINE_PASSED));
     }
-    tell_watchdog(watchdog.pipe).map_err(|_| io::Error::from_raw_os_error(LINK_FAILED))?;
+    tell_watchdog(setup.watchdog.pipe).map_err(|_| io::Error::from_raw_os_error(LINK_FAILED))?;
     // Read after the watchdog knows the group: a watchdog that finds the same deadline passed either
     // read the group in time and kills this process, or exited before it, and then the clock read
     // here, later still, has passed the deadline too. (The watchdog's deadline is never earlier
     // than this one: it only moves later as proofs come.)
-    if dead_by.has_passed() {
+    if setup.dead_by.has_passed() {
         return Err(io::Error::from_raw_os_error(DEADLINE_PASSED));
     }
-    if take_foreground {
+    if setup.take_foreground {
         // Take the terminal's foreground so Ctrl-C reaches the app. From a background group that
         // raises SIGTTOU unless blocked; ENOTTY/ENXIO (no controlling terminal) are fine to ignore.
         let _ = sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::all()), None);
         // SAFETY: fd 0 stays open for the duration of this call.
-        let _ = tcsetpgrp(unsafe { BorrowedFd::borrow_raw(0) }, getpid());
+        let _ = tcsetpgrp(unsafe { BorrowedFd::borrow_raw(0) }, own_pid());
     }
     // Handlers reset at exec, but a blocked mask would be inherited: the app starts with none.
     sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
     Ok(())
+}
+
+/// The calling process's pid from the kernel. In the child, not getpid(3) or raise(3): after a raw
+/// clone3, glibc's cached ids (the thread's always, the pid's before glibc 2.25) are the guard's.
+fn own_pid() -> Pid {
+    // SAFETY: getpid(2) has no preconditions.
+    Pid::from_raw(unsafe { libc::syscall(libc::SYS_getpid) } as i32)
 }
 
 /// Waits until the watchdog's process has executed the watchdog (the status pipe's end: EOF), so the
@@ -208,7 +443,7 @@ fn await_watchdog_exec(status: RawFd) -> io::Result<()> {
 /// anything of the app can run, a guard that dies leaves the watchdog knowing what to kill.
 /// Async-signal-safe: a stack buffer and raw system calls.
 fn tell_watchdog(watchdog: RawFd) -> io::Result<()> {
-    let message = Message::AppGroup(getpid()).encode();
+    let message = Message::AppGroup(own_pid()).encode();
     // A closed pipe must fail the write, not kill this process: the guard then learns why the app
     // did not start. The disposition is put back, as an ignored signal would stay ignored in the app.
     // SAFETY: signal(2) and write(2) with a stack buffer have no memory-safety preconditions.
