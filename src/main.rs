@@ -7,6 +7,7 @@ mod conceal;
 mod config;
 mod deadline;
 mod endpoints;
+mod handoff;
 mod holder;
 mod logging;
 mod manpage;
@@ -29,7 +30,8 @@ use clap::{CommandFactory, Parser};
 use crate::cli::Cli;
 use crate::config::{Config, Invocation};
 use crate::endpoints::Endpoints;
-use crate::outcome::{Outcome, EXIT_INTERNAL, EXIT_USAGE};
+use crate::outcome::Outcome;
+use crate::vocab::{EXIT_INTERNAL, EXIT_USAGE};
 
 fn main() -> ExitCode {
     // Read before anything else, to narrow the moment in which a dying parent goes unnoticed by

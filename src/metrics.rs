@@ -17,7 +17,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
 use crate::deadline::Deadline;
-use crate::vocab::{AppStatus, LossReason};
+use crate::vocab::{AppStatus, CheckOutcome, LossReason};
 use crate::window::WindowOutcome;
 
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -42,26 +42,6 @@ impl AcquireOutcome {
             AcquireOutcome::Acquired => "acquired",
             AcquireOutcome::Held => "held",
             AcquireOutcome::Error => "error",
-        }
-    }
-}
-
-/// `checks_total{outcome}`: how one ownership check (MySQL query, Redis renewal, lock file stat) ended.
-#[derive(Debug, Clone, Copy)]
-pub enum CheckOutcome {
-    Ok,
-    Error,
-    Timeout,
-}
-
-impl CheckOutcome {
-    const ALL: [CheckOutcome; 3] = [CheckOutcome::Ok, CheckOutcome::Error, CheckOutcome::Timeout];
-
-    fn as_str(self) -> &'static str {
-        match self {
-            CheckOutcome::Ok => "ok",
-            CheckOutcome::Error => "error",
-            CheckOutcome::Timeout => "timeout",
         }
     }
 }

@@ -1,15 +1,10 @@
 //! How a run ended, and the one table that turns that into the guard's exit code.
 
 use crate::config::ExitCodeMap;
-use crate::vocab::AppStatus;
-
-pub const EXIT_USAGE: u8 = 2;
-pub const EXIT_UNAVAILABLE: u8 = 69;
-pub const EXIT_INTERNAL: u8 = 70;
-pub const EXIT_LOCK_LOST: u8 = 75;
-pub const EXIT_MAX_RUNTIME: u8 = 124;
-pub const EXIT_NOT_EXECUTABLE: u8 = 126;
-pub const EXIT_NOT_FOUND: u8 = 127;
+use crate::vocab::{
+    AppStatus, EXIT_INTERNAL, EXIT_LOCK_LOST, EXIT_MAX_RUNTIME, EXIT_NOT_EXECUTABLE,
+    EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE,
+};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {

@@ -2,6 +2,7 @@
 //! ending, the lock being lost, a signal, or the max runtime; tear the app's tree down; release.
 
 use std::cell::Cell;
+use std::sync::Arc;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -11,23 +12,23 @@ use tokio::time::Instant;
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
 use crate::backend::{
-    self, Acquisition, Backoff, ClaimAnswer, ClaimRequest, HeldLock, LockError, LockLoss,
-    LockRequest, Patience,
+    self, Acquisition, Backoff, ClaimAnswer, ClaimRequest, HeldLock, HolderInfo, LockError,
+    LockLoss, LockRequest, Patience,
 };
 use crate::config::{Config, TakeoverDelay, Target, Wait};
 use crate::deadline::{self, AsyncBootTimer, Deadline};
 use crate::endpoints::Endpoints;
+use crate::handoff::{Farewell, TreeGone};
 use crate::holder::Holder;
-use crate::metrics::{AcquireOutcome, Metrics};
+use crate::metrics::{AcquireOutcome, Checks, Metrics};
 use crate::notify;
 use crate::outcome::Outcome;
 use crate::record::Previous;
-use crate::supervisor::watchdog::Farewell;
 use crate::supervisor::{
     self, ends_wait, is_shutdown, AppEnv, Event, ParentWatch, SignalEvents, SpawnError, StartError,
-    Supervisor, TreeGone,
+    Supervisor,
 };
-use crate::vocab::{signal_name, AppStatus, LossReason};
+use crate::vocab::{signal_name, AppStatus, CheckOutcome, LossReason};
 use crate::window::{self, IfUnavailable, Schedule, ScheduleMode, Window, WindowOutcome};
 
 /// Variables the app (and the watchdog) must never see: the first two may carry the backend's
@@ -60,6 +61,10 @@ pub async fn run(config: &Config, endpoints: Option<Endpoints>, parent: Pid) -> 
         config,
         holder: &holder,
         backend,
+        observer: Arc::new(Reports {
+            checks: metrics.checks(),
+            metrics: metrics.clone(),
+        }),
         metrics,
         stop_requested: Cell::new(false),
     };
@@ -76,11 +81,33 @@ pub async fn run(config: &Config, endpoints: Option<Endpoints>, parent: Pid) -> 
     outcome
 }
 
+/// The lock layer's reports, as the outside sees them: metrics, and the service manager's status.
+struct Reports {
+    checks: Checks,
+    metrics: Metrics,
+}
+
+impl backend::Observer for Reports {
+    fn check(&self, outcome: CheckOutcome, took: std::time::Duration) {
+        self.checks.record(outcome, took);
+    }
+
+    fn held_elsewhere(&self) {
+        self.metrics.acquire(AcquireOutcome::Held);
+    }
+
+    fn waiting(&self, holder: &HolderInfo) {
+        notify::status(&format!("waiting for the lock held by {holder}"));
+    }
+}
+
 struct Guard<'a> {
     config: &'a Config,
     holder: &'a Holder,
     backend: &'static str,
     metrics: Metrics,
+    /// What the lock layer reports, turned into metrics and the service manager's status.
+    observer: Arc<dyn backend::Observer>,
     /// A signal asked the guard to stop while an app ran: a scheduler starts no further run.
     stop_requested: Cell<bool>,
 }
@@ -193,7 +220,7 @@ impl Guard<'_> {
                 timings: &self.config.timings,
                 holder: self.holder,
                 patience,
-                metrics: &self.metrics,
+                observer: &self.observer,
             };
             let attempt = tokio::select! {
                 attempt = backend::acquire(target, &request) => attempt,
@@ -247,7 +274,7 @@ impl Guard<'_> {
     fn rejoin(&self, gone: AppGone) {
         let app = match gone {
             AppGone::NeverStarted => "no app was started",
-            AppGone::Stopped(_tree) => "the app's process tree is gone",
+            AppGone::Stopped => "the app's process tree is gone",
         };
         info!(
             event = "rejoining",
@@ -394,7 +421,7 @@ impl Guard<'_> {
             timings: &self.config.timings,
             holder: self.holder,
             patience: Patience::None,
-            metrics: &self.metrics,
+            observer: &self.observer,
         };
         let attempt = tokio::select! {
             attempt = backend::acquire(target, &request) => attempt,
@@ -695,7 +722,7 @@ impl Guard<'_> {
     }
 
     /// Gives the lock back once nothing of the app is alive, which `gone` proves.
-    async fn release(&self, held: Option<HeldLock>, gone: &TreeGone) {
+    async fn release(&self, held: Option<HeldLock>, gone: TreeGone) {
         if let Some(lock) = held {
             self.released(lock.release(gone).await);
         }
@@ -931,7 +958,7 @@ impl Guard<'_> {
                 reason = %LossReason::GuardFrozen,
                 "the lock ran out while the guard was unresponsive; the watchdog stopped the app"
             );
-            return Finished::LockLost(AppGone::Stopped(stopped.gone));
+            return Finished::LockLost(AppGone::Stopped);
         }
         let outcome = match &ending {
             Ending::AppExited(status) => Outcome::AppExited(*status),
@@ -946,8 +973,9 @@ impl Guard<'_> {
                     warn!(event = "run_end_unrecorded", window = run.window.index, error = %e, "cannot record how the window's run ended");
                 }
             }
-            self.release(held, &stopped.gone).await;
+            self.release(held, stopped.gone).await;
         } else if let Some(run) = window {
+            drop(stopped.gone);
             // A lost lock is dropped, which closes what is left of it: it is not ours to give
             // back, nor to record the run's end under.
             warn!(
@@ -957,7 +985,7 @@ impl Guard<'_> {
             );
         }
         match outcome {
-            Outcome::LockLost => Finished::LockLost(AppGone::Stopped(stopped.gone)),
+            Outcome::LockLost => Finished::LockLost(AppGone::Stopped),
             outcome => outcome.into(),
         }
     }
@@ -1017,11 +1045,11 @@ impl From<Outcome> for Finished {
     }
 }
 
-/// Why no app of a lost acquisition is alive: rejoining needs one of these.
+/// Why no app of a lost acquisition is alive, for the rejoin's log: made only where no app was
+/// started, or after its teardown (whose proof the release, if any, consumed).
 enum AppGone {
     NeverStarted,
-    /// Its teardown finished.
-    Stopped(TreeGone),
+    Stopped,
 }
 
 /// What became of one window's attempt.

@@ -8,8 +8,8 @@ use serde_json::{json, Map, Value};
 use crate::backend::{self, HolderInfo};
 use crate::cli::OutputFormat;
 use crate::config::StatusConfig;
-use crate::outcome::{EXIT_UNAVAILABLE, EXIT_USAGE};
 use crate::record::RecordFacts;
+use crate::vocab::{EXIT_UNAVAILABLE, EXIT_USAGE};
 use crate::window::Claim;
 
 pub const EXIT_HELD: u8 = 0;

@@ -6,6 +6,37 @@ use std::fmt;
 use nix::libc;
 use nix::sys::signal::Signal;
 
+/// The guard's own exit codes (sysexits where one fits); `outcome::Outcome::exit_code` is the one
+/// table that maps a run's end to them.
+pub const EXIT_USAGE: u8 = 2;
+pub const EXIT_UNAVAILABLE: u8 = 69;
+pub const EXIT_INTERNAL: u8 = 70;
+pub const EXIT_LOCK_LOST: u8 = 75;
+pub const EXIT_MAX_RUNTIME: u8 = 124;
+pub const EXIT_NOT_EXECUTABLE: u8 = 126;
+pub const EXIT_NOT_FOUND: u8 = 127;
+
+/// `checks_total{outcome}`: how one ownership check (MySQL query, Redis renewal, lock file stat) ended.
+#[derive(Debug, Clone, Copy)]
+pub enum CheckOutcome {
+    Ok,
+    Error,
+    Timeout,
+}
+
+impl CheckOutcome {
+    pub const ALL: [CheckOutcome; 3] =
+        [CheckOutcome::Ok, CheckOutcome::Error, CheckOutcome::Timeout];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CheckOutcome::Ok => "ok",
+            CheckOutcome::Error => "error",
+            CheckOutcome::Timeout => "timeout",
+        }
+    }
+}
+
 /// Why a held lock stopped being ours, or why the guard could no longer vouch for it. The names
 /// appear in logs as `reason=...` and as the `reason` label of `lock_lost_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,6 +10,7 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -21,12 +22,12 @@ use tracing::info;
 
 use super::{
     Acquisition, ClaimAnswer, ClaimRequest, Contention, HeldLock, HolderInfo, LockError, LockLoss,
-    LockRequest, LossReason,
+    LockRequest, LossReason, Observer,
 };
+use crate::handoff::Farewell;
 use crate::holder::Holder;
-use crate::metrics::{CheckOutcome, Checks};
 use crate::record::{set_back_error, Fence, Previous, RecordFacts, RecordState};
-use crate::supervisor::watchdog::Farewell;
+use crate::vocab::CheckOutcome;
 use crate::window::{self, Claim, RunEnd};
 
 /// The first line of every lock file this program writes. A lock file that is neither empty nor
@@ -48,7 +49,7 @@ const WAIT_POLL: Duration = Duration::from_millis(10);
 const WAITER_STACK: usize = 64 * 1024;
 
 pub async fn acquire(path: &Path, request: &LockRequest<'_>) -> Result<Acquisition, LockError> {
-    let mut contention = Contention::new(request.metrics);
+    let mut contention = Contention::new(&**request.observer);
     loop {
         let (file, holder) = match try_acquire(path, request)? {
             Attempt::Acquired(held) => return Ok(Acquisition::Acquired(held)),
@@ -218,7 +219,7 @@ fn hold(
         path: path.to_owned(),
         identity,
         check_interval: request.timings.check_interval,
-        checks: request.metrics.checks(),
+        observer: Arc::clone(request.observer),
     })))
 }
 
@@ -673,7 +674,7 @@ pub struct FileLock {
     path: PathBuf,
     identity: FileIdentity,
     check_interval: std::time::Duration,
-    checks: Checks,
+    observer: Arc<dyn Observer>,
 }
 
 impl FileLock {
@@ -701,15 +702,15 @@ impl FileLock {
                 // Another stat error (EACCES after a chmod of the directory, say) proves nothing
                 // about the lock, which the open descriptor keeps.
                 Err(_) => {
-                    self.checks.record(CheckOutcome::Error, started.elapsed());
+                    self.observer.check(CheckOutcome::Error, started.elapsed());
                     continue;
                 }
                 Ok(_) => {
-                    self.checks.record(CheckOutcome::Ok, started.elapsed());
+                    self.observer.check(CheckOutcome::Ok, started.elapsed());
                     continue;
                 }
             };
-            self.checks.record(CheckOutcome::Error, started.elapsed());
+            self.observer.check(CheckOutcome::Error, started.elapsed());
             return LockLoss {
                 reason,
                 detail: format!("{} no longer names the locked file", self.path.display()),

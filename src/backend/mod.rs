@@ -14,6 +14,7 @@ mod watched;
 
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use thiserror::Error;
@@ -22,12 +23,11 @@ use tracing::{info, warn};
 
 use crate::config::{LockName, Target, Timings};
 use crate::deadline::Deadline;
+use crate::handoff::Farewell;
+use crate::handoff::TreeGone;
 use crate::holder::Holder;
-use crate::metrics::{AcquireOutcome, Metrics};
 use crate::record::{Previous, RecordFacts};
-use crate::supervisor::watchdog::Farewell;
-use crate::supervisor::TreeGone;
-use crate::vocab::LossReason;
+use crate::vocab::{CheckOutcome, LossReason};
 use crate::window::{Claim, Schedule, UnixMicros, Window, WindowOutcome};
 
 /// Why the lock could not be taken or used. Every variant means "the app must not run": exit 69,
@@ -141,11 +141,23 @@ impl Patience {
     }
 }
 
-/// A lock found held by another instance: counted once per acquisition as `acquire{outcome="held"}`
-/// (at first sight, so a waiting standby shows up while it waits), and logged with its holder when
-/// the wait starts, then at most once a minute.
+/// What the lock layer reports as it works. The guard turns it into metrics and the service
+/// manager's status line; the backends know nothing of either.
+pub trait Observer: Send + Sync {
+    /// One ownership check ended; `took` leaves out any wait the check asks of the server on
+    /// purpose (MySQL's `SLEEP`).
+    fn check(&self, outcome: CheckOutcome, took: Duration);
+    /// The lock was found held by another instance: once per acquisition, at first sight.
+    fn held_elsewhere(&self);
+    /// A wait for the lock held by `holder` began, or goes on (at most once a minute).
+    fn waiting(&self, holder: &HolderInfo);
+}
+
+/// A lock found held by another instance: reported once per acquisition (at first sight, so a
+/// waiting standby shows up while it waits), and logged with its holder when the wait starts, then
+/// at most once a minute.
 pub struct Contention<'a> {
-    metrics: &'a Metrics,
+    observer: &'a dyn Observer,
     last_log: Option<Instant>,
     counted: bool,
 }
@@ -153,9 +165,9 @@ pub struct Contention<'a> {
 const WAIT_LOG_EVERY: Duration = Duration::from_secs(60);
 
 impl Contention<'_> {
-    pub fn new(metrics: &Metrics) -> Contention<'_> {
+    pub fn new(observer: &dyn Observer) -> Contention<'_> {
         Contention {
-            metrics,
+            observer,
             last_log: None,
             counted: false,
         }
@@ -183,7 +195,7 @@ impl Contention<'_> {
         self.count();
         self.last_log = Some(Instant::now());
         info!(event = "lock_waiting", holder = %holder, "lock is held by another instance; waiting");
-        crate::notify::status(&format!("waiting for the lock held by {holder}"));
+        self.observer.waiting(holder);
     }
 
     /// Patience has run out with the lock still held elsewhere.
@@ -195,7 +207,7 @@ impl Contention<'_> {
     fn count(&mut self) {
         if !self.counted {
             self.counted = true;
-            self.metrics.acquire(AcquireOutcome::Held);
+            self.observer.held_elsewhere();
         }
     }
 }
@@ -262,8 +274,8 @@ pub struct LockRequest<'a> {
     pub timings: &'a Timings,
     pub holder: &'a Holder,
     pub patience: Patience,
-    /// Where acquisition outcomes and the held lock's ownership checks are recorded.
-    pub metrics: &'a Metrics,
+    /// Told of contention and of the held lock's ownership checks.
+    pub observer: &'a Arc<dyn Observer>,
 }
 
 /// Takes the lock, waiting for it as long as `request.patience` allows. A backend that fails before
@@ -516,7 +528,7 @@ impl HeldLock {
     }
 
     /// Gives the lock back, which only the proof that nothing of the app is alive allows.
-    pub async fn release(self, _gone: &TreeGone) -> Result<(), LockError> {
+    pub async fn release(self, _gone: TreeGone) -> Result<(), LockError> {
         self.give_back().await
     }
 

@@ -209,7 +209,7 @@ pub async fn acquire(
     let patience = request.patience;
     let name = request.name.as_str();
     let mut conn = open_session(target, timings).await?;
-    let mut contention = Contention::new(request.metrics);
+    let mut contention = Contention::new(&**request.observer);
     let mut backoff = Backoff::new();
     loop {
         let chunk = contention.next_wait(patience);

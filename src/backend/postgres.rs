@@ -371,7 +371,7 @@ pub async fn acquire(
     let key = lock_key(request.name);
     let app_name = application_name(&request.holder.id);
     let mut session = open_session(target, timings, &app_name).await?;
-    let mut contention = Contention::new(request.metrics);
+    let mut contention = Contention::new(&**request.observer);
     let mut backoff = Backoff::new();
     loop {
         let chunk = contention.next_wait(patience);

@@ -16,6 +16,7 @@
 //! renewal confirmed anywhere. Asynchronous replication can lose the newest writes, so with
 //! `--redis-min-replicas N` an acquisition or renewal counts only once `WAIT` says N replicas have it.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -33,13 +34,13 @@ use tracing::{debug, info, warn};
 use super::watched::{WatchedLock, WatcherEnds};
 use super::{
     connect_failure, Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock,
-    HolderInfo, LockError, LockLoss, LockRequest, LossReason, Patience,
+    HolderInfo, LockError, LockLoss, LockRequest, LossReason, Observer, Patience,
 };
 use crate::config::{LockName, RedisServers, RedisTarget, Timings};
 use crate::deadline::{self, Deadline};
 use crate::holder::Holder;
-use crate::metrics::{CheckOutcome, Checks};
 use crate::record::{set_back_error, Previous, RecordFacts, RecordState};
+use crate::vocab::CheckOutcome;
 use crate::window::{Claim, UnixMicros, WindowOutcome};
 
 /// The dataset a script runs on, as a Lua function `dataset()`: the server process and its
@@ -590,7 +591,7 @@ pub async fn acquire(
     let mut conn = None;
     let fail_closed_at = Instant::now() + timings.connect_timeout;
     let mut answered = false;
-    let (mut contention, mut backoff) = (Contention::new(request.metrics), Backoff::new());
+    let (mut contention, mut backoff) = (Contention::new(&**request.observer), Backoff::new());
     loop {
         let failure = match attempt(target, &mut conn, &invocation, &keys, &timings).await {
             Ok(Attempt::Won {
@@ -617,7 +618,7 @@ pub async fn acquire(
                     conn: Some(conn),
                     timings,
                     valid_until: sent + timings.redis_lease_validity(),
-                    checks: request.metrics.checks(),
+                    observer: Arc::clone(request.observer),
                 };
                 return Ok(Acquisition::Acquired(HeldLock::Redis(RedisLock {
                     target: Box::new(target.clone()),
@@ -1090,7 +1091,7 @@ struct Lease {
     timings: Timings,
     /// Send time of the last confirmed acquire or renewal + ttl - drift margin.
     valid_until: Deadline,
-    checks: Checks,
+    observer: Arc<dyn Observer>,
 }
 
 /// A script invocation that did not answer with a value.
@@ -1200,7 +1201,7 @@ impl Lease {
             Err(failure) => failure.outcome,
         };
         let took = sent.elapsed();
-        self.checks.record(outcome, took);
+        self.observer.check(outcome, took);
         match result {
             // A confirmation read after check-timeout proves nothing about now: the guard may have
             // been frozen while the lease ran out and another instance took it.

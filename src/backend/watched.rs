@@ -13,10 +13,10 @@ use tokio::sync::{oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 use tracing::{debug, Instrument};
 
-use super::{LockError, LockLoss, LockRequest};
+use super::{LockError, LockLoss, LockRequest, Observer};
 use crate::deadline::Deadline;
-use crate::metrics::{CheckOutcome, Checks};
-use crate::supervisor::watchdog::Farewell;
+use crate::handoff::Farewell;
+use crate::vocab::CheckOutcome;
 use crate::vocab::LossReason;
 
 /// The watcher's side: where to report a loss, and the request to release.
@@ -112,7 +112,7 @@ pub struct CheckTiming {
     /// The server-side sleep alone: not counted as the check's duration.
     pub sleep: Duration,
     pub grace: Duration,
-    pub checks: Checks,
+    pub observer: Arc<dyn Observer>,
 }
 
 impl CheckTiming {
@@ -121,7 +121,7 @@ impl CheckTiming {
             budget: request.timings.detection_bound(),
             sleep: request.timings.check_interval,
             grace: request.timings.grace_period,
-            checks: request.metrics.checks(),
+            observer: Arc::clone(request.observer),
         }
     }
 }
@@ -297,8 +297,8 @@ async fn watch_session<W: SessionWatcher>(
                 Check::Lost(_) => CheckOutcome::Error,
             };
             timing
-                .checks
-                .record(outcome, sent.elapsed().saturating_sub(timing.sleep));
+                .observer
+                .check(outcome, sent.elapsed().saturating_sub(timing.sleep));
         }
         match (check, releasing) {
             (Check::Owned, false) => {

@@ -18,13 +18,14 @@ use tracing::{debug, info, warn};
 
 use crate::cli::ForwardTo;
 use crate::deadline::{AsyncBootTimer, Deadline};
+use crate::handoff::{Farewell, TreeGone};
 use crate::vocab::{signal_name, AppStatus};
 use cgroup::AppCgroup;
 pub use signals::{ends_wait, is_shutdown, on_parent_death, ParentWatch, SignalEvents};
 use spawn::NotStarted;
 pub use spawn::{raise_descriptor_limit, AppEnv, SpawnError};
 pub use tree::proc_is_ours;
-use watchdog::{Farewell, Message, Watchdog};
+use watchdog::{Message, Watchdog};
 
 /// Teardown re-reads the guard's children at least this often; a SIGCHLD wakes it sooner.
 const TEARDOWN_TICK: Duration = Duration::from_millis(100);
@@ -40,11 +41,6 @@ pub fn become_subreaper() -> nix::Result<()> {
     }
     Ok(())
 }
-
-/// Proof that nothing of the app is alive any more: only a finished teardown makes one, and giving a
-/// lock back requires one, so the lock cannot be released while any process of the app lives.
-#[must_use]
-pub struct TreeGone(());
 
 /// What ended supervision, as the guard sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -303,7 +299,7 @@ async fn teardown(
         // A cgroup whose state cannot be read is not empty either.
         let cgroup_empty = cgroup.is_none_or(|cgroup| cgroup.is_empty().unwrap_or(false));
         if known && reaper.app_status().is_some() && left.is_empty() && cgroup_empty {
-            return TreeGone(());
+            return TreeGone::seen_by_teardown();
         }
         // Processes that left the app's group, and orphans handed to the guard: each gets the
         // current signal once. They are the guard's children, unreaped, so their pids are theirs.
@@ -413,10 +409,4 @@ pub enum StartError {
     /// The guard made the app's cgroup, but the app's process could not move itself into it.
     #[error("the app's process could not move itself into the app's cgroup {0}")]
     CgroupJoin(String),
-}
-
-impl std::fmt::Debug for TreeGone {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("TreeGone")
-    }
 }

@@ -46,6 +46,7 @@ use tracing_appender::non_blocking::WorkerGuard;
 
 use super::cgroup::AppCgroup;
 use crate::deadline::{BootTimer, Deadline};
+use crate::handoff::Farewell;
 use crate::vocab::{AppStatus, LossReason};
 
 /// The fd on which the watchdog reads the guard's messages.
@@ -211,25 +212,6 @@ impl Switch {
             Message::KillBy(_) => {}
             Message::LockLost => self.farewell = false,
             Message::AppGroup(_) | Message::StandDown => {}
-        }
-    }
-}
-
-/// What the watchdog does for the lock once the guard is dead and the app's group gone.
-pub struct Farewell<'a> {
-    /// An opaque message for the backend's farewell (may carry credentials: it travels only through
-    /// the pipe, never the environment or the command line). Empty: nothing to say.
-    pub message: Vec<u8>,
-    /// A descriptor of the locked file, kept open by the watchdog so the lock outlives a killed guard
-    /// until the app's group is gone.
-    pub keep: Option<BorrowedFd<'a>>,
-}
-
-impl Farewell<'_> {
-    pub fn none() -> Farewell<'static> {
-        Farewell {
-            message: Vec::new(),
-            keep: None,
         }
     }
 }
@@ -571,7 +553,7 @@ pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
         .is_ok_and(|st| SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFIFO);
     let (Some((stop_signal, grace)), true) = (parsed, is_pipe) else {
         eprintln!("sentinel-guard: __watchdog is internal to the guard and cannot be run by hand");
-        return ExitCode::from(crate::outcome::EXIT_USAGE);
+        return ExitCode::from(crate::vocab::EXIT_USAGE);
     };
     for number in ignored_signals() {
         // Already ignored since before exec (see `Watchdog::spawn`); again here for certainty.
@@ -616,7 +598,7 @@ pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
             // Without a timer the switch cannot act on a frozen guard; the guard sees it end.
             log.on();
             error!(event = "watchdog_failed", error = %e, "watchdog cannot create its timer");
-            return ExitCode::from(crate::outcome::EXIT_INTERNAL);
+            return ExitCode::from(crate::vocab::EXIT_INTERNAL);
         }
     };
     let mut switch = Switch::new(grace);
