@@ -97,10 +97,15 @@ fn signal_server(backend: &Backend, signal: i32) {
 
 /// An app that records `start`/`stop` like `recording_app`, but takes 500ms to stop: without the
 /// takeover delay, a standby that starts the moment the server frees the lock would overlap it.
+/// Every process of its tree holds `witness` locked (`flock` on an inherited descriptor), which the
+/// kernel frees only when the last of them is dead: an app that finds it held records `overlap`.
+/// That is the proof for a SIGKILLed app, which can record no stop of its own.
 fn slow_stopping_app(trace: &Path, pidfile: &Path) -> Vec<String> {
     let script = format!(
-        "trap 'sleep 0.5; echo stop $$ >> {t}; exit 0' TERM; echo start $$ >> {t}; \
+        "exec 9>>{w}; flock -n -x 9 || echo overlap $$ >> {t}; \
+         trap 'sleep 0.5; echo stop $$ >> {t}; exit 0' TERM; echo start $$ >> {t}; \
          echo $$ > {p}.tmp && mv {p}.tmp {p}; while :; do sleep 0.05; done",
+        w = trace.with_extension("witness").display(),
         t = trace.display(),
         p = pidfile.display()
     );
@@ -255,10 +260,21 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
         faulted
     };
     let detect = wait_until(limit, || !alive(lead_app)).then(|| detect_from.elapsed());
-    // A SIGKILLed app records no stop; the moment its death was seen is a late, hence safe, stand-in.
-    if detect.is_some() && !trace_lines(&trace).contains(&format!("stop {lead_app}")) {
-        let mut file = fs::OpenOptions::new().append(true).open(&trace).unwrap();
-        std::io::Write::write_all(&mut file, format!("stop {lead_app}\n").as_bytes()).unwrap();
+    // A SIGKILLed app records no stop. Its death is seen here by polling, which may come after the
+    // standby's start; the witness lock is the exact check instead (see `slow_stopping_app`), so its
+    // stand-in stop goes right after its start.
+    let sigkilled = detect.is_some() && !trace_lines(&trace).contains(&format!("stop {lead_app}"));
+    if sigkilled {
+        let lines = trace_lines(&trace);
+        let mut with_stop = Vec::new();
+        for line in lines {
+            let started = line == format!("start {lead_app}");
+            with_stop.push(line);
+            if started {
+                with_stop.push(format!("stop {lead_app}"));
+            }
+        }
+        fs::write(&trace, with_stop.join("\n") + "\n").unwrap();
     }
     assert_eq!(
         detect.is_some(),
@@ -305,6 +321,14 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
             guard.wait(Duration::from_secs(10));
         }
     }
+    let overlaps: Vec<_> = trace_lines(&trace)
+        .into_iter()
+        .filter(|line| line.starts_with("overlap "))
+        .collect();
+    assert!(
+        overlaps.is_empty(),
+        "{kind:?} {fault:?}: an app started while a process of the previous app's tree was alive: {overlaps:?}"
+    );
     assert_no_overlap(&trace);
     let stray = survivors(lab.dir.path());
     assert!(

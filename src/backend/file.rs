@@ -5,6 +5,7 @@
 //! inherits it. What the kernel cannot see is the path being deleted or replaced while held: a new
 //! guard would lock a new file. The guard watches for that and treats it as a lost lock.
 
+use async_trait::async_trait;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::{AsFd, AsRawFd};
@@ -21,8 +22,8 @@ use tokio::sync::oneshot;
 use tracing::info;
 
 use super::{
-    Acquisition, ClaimAnswer, ClaimRequest, Contention, HeldLock, HolderInfo, LockError, LockLoss,
-    LockRequest, LossReason, Observer,
+    Acquisition, ClaimAnswer, ClaimRequest, Contention, Held, HeldLock, HolderInfo, LockError,
+    LockLoss, LockRequest, LossReason, Observer,
 };
 use crate::handoff::Farewell;
 use crate::holder::Holder;
@@ -208,7 +209,7 @@ fn hold(
     )
     .map_err(|e| io_error(path, e))?;
     info!(event = "lock_acquired", path = %path.display(), fencing_token = lock.fence.token, previous = %previous.reason(), "file lock acquired");
-    Ok(Some(HeldLock::File(FileLock {
+    Ok(Some(HeldLock::new(FileLock {
         record: Box::new(Record {
             holder: request.holder.clone(),
             claim,
@@ -677,18 +678,44 @@ pub struct FileLock {
     observer: Arc<dyn Observer>,
 }
 
-impl FileLock {
+#[async_trait]
+impl Held for FileLock {
+    fn previous(&self) -> Previous {
+        self.record.previous
+    }
+
+    fn fencing_token(&self) -> Option<String> {
+        Some(self.record.lock.fence.token.to_string())
+    }
+
+    /// None: the kernel keeps a frozen guard's flock, so no one else can take it meanwhile.
+    fn app_deadline(&self) -> Option<tokio::sync::watch::Receiver<crate::deadline::Deadline>> {
+        None
+    }
+
     /// The watchdog keeps a copy of the locked descriptor: the kernel frees a `flock` only when its
     /// last descriptor closes, so a SIGKILLed guard's lock then outlives it until the watchdog has
     /// seen the app's group gone. A release (`LOCK_UN`) frees it whatever copies are open.
-    pub fn farewell(&self) -> Farewell<'_> {
+    fn farewell(&self) -> Farewell<'_> {
         Farewell {
             message: Vec::new(),
             keep: Some(self.file.as_fd()),
         }
     }
 
-    pub async fn lost(&mut self) -> LockLoss {
+    fn reported_loss(&self) -> Option<LockLoss> {
+        None
+    }
+
+    /// A flock is freed by one call: nothing to prepare.
+    fn release_coming(&self) {}
+
+    /// The fixed delay's skip rule is Redis's alone; `auto` reads the record instead.
+    fn released_cleanly(&self) -> bool {
+        false
+    }
+
+    async fn lost(&mut self) -> LockLoss {
         let mut ticks = tokio::time::interval(self.check_interval);
         loop {
             ticks.tick().await;
@@ -719,7 +746,7 @@ impl FileLock {
     }
 
     /// Windows come from this host's clock: every guard of a file lock runs on this host.
-    pub fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
+    async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
         let window = request.window;
         if request.schedule.window_at(window::local_now()) != *window {
             return Ok(ClaimAnswer::NotNow(
@@ -739,7 +766,7 @@ impl FileLock {
         Ok(ClaimAnswer::Ours)
     }
 
-    pub fn record_end(
+    async fn record_end(
         &mut self,
         request: &ClaimRequest<'_>,
         exit_code: u8,
@@ -760,6 +787,30 @@ impl FileLock {
         })
     }
 
+    async fn give_back(self: Box<Self>) -> Result<(), LockError> {
+        let mut this = *self;
+        // Never unlink: a contender may already have the inode open and would lock a file no one else
+        // can find. Dropping the holder from the record keeps a stale identity from being reported as
+        // the holder; the magic line keeps the file recognisably ours.
+        let released = LockLine {
+            state: RecordState::Released,
+            ..this.record.lock.clone()
+        };
+        let _ = write_record(
+            &mut this.file,
+            None,
+            this.record.claim.as_ref(),
+            Some(&released),
+        );
+        this.file.unlock().map_err(|(_, errno)| {
+            LockError::Refused(format!("unlock {}: {errno}", this.path.display()))
+        })?;
+        info!(event = "lock_released", path = %this.path.display(), "file lock released");
+        Ok(())
+    }
+}
+
+impl FileLock {
     fn write_claim(&mut self, claim: Claim) -> Result<(), LockError> {
         write_record(
             &mut self.file,
@@ -769,35 +820,6 @@ impl FileLock {
         )
         .map_err(|e| io_error(&self.path, e))?;
         self.record.claim = Some(claim);
-        Ok(())
-    }
-
-    pub fn previous(&self) -> Previous {
-        self.record.previous
-    }
-
-    pub fn fencing_token(&self) -> u64 {
-        self.record.lock.fence.token
-    }
-
-    pub fn release(mut self) -> Result<(), LockError> {
-        // Never unlink: a contender may already have the inode open and would lock a file no one else
-        // can find. Dropping the holder from the record keeps a stale identity from being reported as
-        // the holder; the magic line keeps the file recognisably ours.
-        let released = LockLine {
-            state: RecordState::Released,
-            ..self.record.lock.clone()
-        };
-        let _ = write_record(
-            &mut self.file,
-            None,
-            self.record.claim.as_ref(),
-            Some(&released),
-        );
-        self.file.unlock().map_err(|(_, errno)| {
-            LockError::Refused(format!("unlock {}: {errno}", self.path.display()))
-        })?;
-        info!(event = "lock_released", path = %self.path.display(), "file lock released");
         Ok(())
     }
 }

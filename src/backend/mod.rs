@@ -17,7 +17,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use thiserror::Error;
+use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
@@ -386,90 +388,104 @@ pub fn lock_key(target: &Target, name: &LockName) -> Option<i64> {
     }
 }
 
-pub enum HeldLock {
-    Mysql(mysql::MysqlLock),
-    Postgres(postgres::PostgresLock),
-    Redis(redis::RedisLock),
-    File(file::FileLock),
-}
-
-impl HeldLock {
-    /// Whether the previous holder was a Redis lease its owner released, on a topology where that
-    /// record survives a failover: the one case a fixed `--takeover-delay` is skipped.
-    pub fn released_cleanly(&self) -> bool {
-        matches!(self, HeldLock::Redis(lock) if lock.previous() == Previous::Gone("released"))
-    }
-
+/// One backend's held lock: what `HeldLock` asks of every backend, each method on purpose without a
+/// default. A new backend implements it in its own file (its `acquire`, `status` and the rest are
+/// still dispatched on `Target` below).
+#[async_trait]
+pub trait Held: Send {
     /// What the lock record found at acquisition says of the previous holder's app.
-    pub fn previous(&self) -> Previous {
-        match self {
-            HeldLock::Mysql(lock) => lock.previous,
-            HeldLock::Postgres(lock) => lock.previous,
-            HeldLock::Redis(lock) => lock.previous(),
-            HeldLock::File(lock) => lock.previous(),
-        }
-    }
+    fn previous(&self) -> Previous;
+
+    /// The fencing token drawn for this acquisition, where the backend draws one.
+    fn fencing_token(&self) -> Option<String>;
+
+    /// Whether the previous holder released the lock on a topology where that record survives a
+    /// failover: the one case a fixed `--takeover-delay` is skipped (Redis only).
+    fn released_cleanly(&self) -> bool;
 
     /// By when the app must be dead if the guard hears nothing more from the backend, for the
-    /// guard's deadline timer and the watchdog that acts if the guard itself freezes. `None` for a
-    /// file lock: the kernel keeps a frozen guard's flock, so no one else can take it meanwhile.
-    pub fn app_deadline(&self) -> Option<tokio::sync::watch::Receiver<Deadline>> {
-        match self {
-            HeldLock::Mysql(mysql::MysqlLock { session: lock, .. })
-            | HeldLock::Postgres(postgres::PostgresLock { session: lock, .. }) => {
-                Some(lock.app_deadline())
-            }
-            HeldLock::Redis(lock) => Some(lock.app_deadline()),
-            HeldLock::File(_) => None,
-        }
+    /// guard's deadline timer and the watchdog that acts if the guard itself freezes. `None`: the
+    /// lock cannot pass to anyone while the guard is frozen (a file lock: the kernel keeps the
+    /// frozen guard's flock).
+    fn app_deadline(&self) -> Option<watch::Receiver<Deadline>>;
+
+    /// What the watchdog does for this lock if the guard dies holding it, once the app is gone.
+    fn farewell(&self) -> Farewell<'_>;
+
+    /// The loss already reported, without waiting.
+    fn reported_loss(&self) -> Option<LockLoss>;
+
+    /// Resolves once the lock is no longer ours. Cancel-safe: may be polled again after a drop.
+    async fn lost(&mut self) -> LockLoss;
+
+    /// Claims `request.window`, in one step that also proves the lock is still ours and that the
+    /// backend's clock is inside the window.
+    async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError>;
+
+    /// Records how the run of a claimed window ended; only called while the lock is still ours.
+    async fn record_end(
+        &mut self,
+        request: &ClaimRequest<'_>,
+        exit_code: u8,
+    ) -> Result<(), LockError>;
+
+    /// A release will follow once the app's tree is gone (see `HeldLock::release_coming`): the
+    /// moment to get ready for it, never blocking.
+    fn release_coming(&self);
+
+    async fn give_back(self: Box<Self>) -> Result<(), LockError>;
+}
+
+/// Where scheduled runs record their windows under a held session lock (MySQL, PostgreSQL: a table
+/// on a connection of its own, as the lock's connection is busy with its check).
+#[async_trait]
+pub trait WindowStore: Send {
+    async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError>;
+
+    async fn record_end(
+        &mut self,
+        request: &ClaimRequest<'_>,
+        exit_code: u8,
+    ) -> Result<(), LockError>;
+}
+
+/// A held lock, whatever the backend.
+pub struct HeldLock(Box<dyn Held>);
+
+impl HeldLock {
+    pub fn new(lock: impl Held + 'static) -> HeldLock {
+        HeldLock(Box::new(lock))
     }
 
-    /// What the watchdog does for this lock if the guard dies holding it, once the app is gone:
-    /// MySQL and PostgreSQL keep a dead client's lock until they notice (the watchdog ends the
-    /// session); a file
-    /// lock would be freed by the kernel the moment the guard dies (the watchdog keeps a copy of the
-    /// descriptor until then). A Redis lease needs nothing: it expires on the server's schedule.
+    pub fn released_cleanly(&self) -> bool {
+        self.0.released_cleanly()
+    }
+
+    pub fn previous(&self) -> Previous {
+        self.0.previous()
+    }
+
+    pub fn app_deadline(&self) -> Option<watch::Receiver<Deadline>> {
+        self.0.app_deadline()
+    }
+
     pub fn farewell(&self) -> Farewell<'_> {
-        match self {
-            HeldLock::Mysql(mysql::MysqlLock { session: lock, .. })
-            | HeldLock::Postgres(postgres::PostgresLock { session: lock, .. }) => lock.farewell(),
-            HeldLock::File(lock) => lock.farewell(),
-            HeldLock::Redis(_) => Farewell::none(),
-        }
+        self.0.farewell()
     }
 
     /// What the app learns about this acquisition beyond name, backend and holder id.
     pub fn app_env(&self) -> Vec<(&'static str, String)> {
-        match self {
-            HeldLock::Redis(lock) => vec![(
-                "SENTINEL_GUARD_FENCING_TOKEN",
-                lock.fencing_token().to_string(),
-            )],
-            HeldLock::Mysql(mysql::MysqlLock { session: lock, .. })
-            | HeldLock::Postgres(postgres::PostgresLock { session: lock, .. }) => lock
-                .fencing_token()
-                .map(|token| ("SENTINEL_GUARD_FENCING_TOKEN", token.to_string()))
-                .into_iter()
-                .collect(),
-            HeldLock::File(lock) => vec![(
-                "SENTINEL_GUARD_FENCING_TOKEN",
-                lock.fencing_token().to_string(),
-            )],
-        }
+        self.0
+            .fencing_token()
+            .map(|token| ("SENTINEL_GUARD_FENCING_TOKEN", token))
+            .into_iter()
+            .collect()
     }
 
     /// Whether the lock is already known to be lost, without waiting: checked right before the app
     /// is started, so it never starts on a lock that is gone, nor on one whose deadline has passed.
     pub fn known_lost(&self) -> Option<LockLoss> {
-        let reported = match self {
-            HeldLock::Mysql(mysql::MysqlLock { session: lock, .. })
-            | HeldLock::Postgres(postgres::PostgresLock { session: lock, .. }) => {
-                lock.reported_loss()
-            }
-            HeldLock::Redis(lock) => lock.reported_loss(),
-            HeldLock::File(_) => None,
-        };
-        reported.or_else(|| {
+        self.0.reported_loss().or_else(|| {
             let deadline = *self.app_deadline()?.borrow();
             deadline.has_passed().then(|| LockLoss {
                 reason: LossReason::DeadlinePassed,
@@ -480,37 +496,19 @@ impl HeldLock {
 
     /// Resolves once the lock is no longer ours. Cancel-safe: may be polled again after a drop.
     pub async fn lost(&mut self) -> LockLoss {
-        match self {
-            HeldLock::Mysql(mysql::MysqlLock { session: lock, .. })
-            | HeldLock::Postgres(postgres::PostgresLock { session: lock, .. }) => lock.lost().await,
-            HeldLock::Redis(lock) => lock.lost().await,
-            HeldLock::File(lock) => lock.lost().await,
-        }
+        self.0.lost().await
     }
 
-    /// Claims `request.window`, in one step that also proves the lock is still ours and that the
-    /// backend's clock is inside the window.
     pub async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
-        match self {
-            HeldLock::Mysql(lock) => lock.claim(request).await,
-            HeldLock::Postgres(lock) => lock.claim(request).await,
-            HeldLock::Redis(lock) => lock.claim(request).await,
-            HeldLock::File(lock) => lock.claim(request),
-        }
+        self.0.claim(request).await
     }
 
-    /// Records how the run of a claimed window ended; only called while the lock is still ours.
     pub async fn record_end(
         &mut self,
         request: &ClaimRequest<'_>,
         exit_code: u8,
     ) -> Result<(), LockError> {
-        match self {
-            HeldLock::Mysql(lock) => lock.record_end(request, exit_code).await,
-            HeldLock::Postgres(lock) => lock.record_end(request, exit_code).await,
-            HeldLock::Redis(lock) => lock.record_end(request, exit_code).await,
-            HeldLock::File(lock) => lock.record_end(request, exit_code),
-        }
+        self.0.record_end(request, exit_code).await
     }
 
     /// Says the lock will be given back once the app's tree is gone, so a session backend opens the
@@ -518,35 +516,18 @@ impl HeldLock {
     /// cancel request) while the tree is torn down instead of after. Never blocks: it comes right
     /// after the teardown's first signal.
     pub fn release_coming(&self) {
-        match self {
-            HeldLock::Mysql(mysql::MysqlLock { session: lock, .. })
-            | HeldLock::Postgres(postgres::PostgresLock { session: lock, .. }) => {
-                lock.release_coming()
-            }
-            HeldLock::Redis(_) | HeldLock::File(_) => {}
-        }
+        self.0.release_coming()
     }
 
     /// Gives the lock back, which only the proof that nothing of the app is alive allows.
     pub async fn release(self, _gone: TreeGone) -> Result<(), LockError> {
-        self.give_back().await
+        self.0.give_back().await
     }
 
     /// Gives back a lock under which no app was ever started (a stop during the takeover delay, a
     /// command that could not be spawned).
     pub async fn release_unused(self) -> Result<(), LockError> {
-        self.give_back().await
-    }
-
-    async fn give_back(self) -> Result<(), LockError> {
-        match self {
-            HeldLock::Mysql(mysql::MysqlLock { session: lock, .. })
-            | HeldLock::Postgres(postgres::PostgresLock { session: lock, .. }) => {
-                lock.release().await
-            }
-            HeldLock::Redis(lock) => lock.release().await,
-            HeldLock::File(lock) => lock.release(),
-        }
+        self.0.give_back().await
     }
 }
 

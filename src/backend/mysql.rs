@@ -10,6 +10,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, OptsBuilder};
 use tokio::time::timeout;
@@ -17,10 +18,10 @@ use tracing::{debug, info, warn};
 
 use super::farewell::{Server, SessionFarewell};
 use super::record_table;
-use super::watched::{CheckTiming, SessionLock, SessionWatcher, Verdict};
+use super::watched::{CheckTiming, SessionHeld, SessionLock, SessionWatcher, Verdict};
 use super::{
     connect_failure, reopen, Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock,
-    HolderInfo, LockError, LockRequest,
+    HolderInfo, LockError, LockRequest, WindowStore,
 };
 use crate::config::{LockName, MysqlTarget, Target, Timings};
 use crate::deadline::Deadline;
@@ -267,13 +268,13 @@ pub async fn acquire(
                             previous = %record.0.reason(),
                             "mysql lock acquired"
                         );
-                        return Ok(Acquisition::Acquired(HeldLock::Mysql(watch(
+                        return Ok(Acquisition::Acquired(watch(
                             conn,
                             target,
                             request,
                             (sent + chunk, ports),
                             record,
-                        ))));
+                        )));
                     }
                     Err(e) => e,
                 }
@@ -582,7 +583,7 @@ fn watch(
     request: &LockRequest<'_>,
     asked: (Deadline, Option<(u16, u16)>),
     (previous, fence, recorded): (Previous, u64, bool),
-) -> MysqlLock {
+) -> HeldLock {
     let farewell = SessionFarewell {
         server: Server::Mysql,
         url: target.secret.clone(),
@@ -610,19 +611,18 @@ fn watch(
         }),
         timing: CheckTiming::of(request),
     };
-    MysqlLock {
+    HeldLock::new(SessionHeld {
         session: SessionLock::spawn(watcher, conn, farewell, Some(fence), asked),
-        target: Box::new(target.clone()),
-        connection_id,
         previous,
-    }
+        windows: MysqlWindows {
+            target: Box::new(target.clone()),
+            connection_id,
+        },
+    })
 }
 
-/// A held `GET_LOCK`, and what scheduled runs need to claim windows under it.
-pub struct MysqlLock {
-    pub session: SessionLock,
-    /// What the lock record said of the previous holder.
-    pub previous: Previous,
+/// What scheduled runs need to claim windows under a held `GET_LOCK`.
+pub struct MysqlWindows {
     /// Where scheduled runs record their windows, on a connection of their own: the lock's
     /// connection is busy with the ownership check.
     target: Box<MysqlTarget>,
@@ -630,9 +630,10 @@ pub struct MysqlLock {
     connection_id: u32,
 }
 
-impl MysqlLock {
+#[async_trait]
+impl WindowStore for MysqlWindows {
     /// Claims the window on a session of its own (the lock's session is busy with its check).
-    pub async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
+    async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
         let timings = request.timings;
         let mut conn =
             windows_session(&self.target, timings.connect_timeout, timings.check_timeout).await?;
@@ -641,6 +642,36 @@ impl MysqlLock {
         answer
     }
 
+    async fn record_end(
+        &mut self,
+        request: &ClaimRequest<'_>,
+        exit_code: u8,
+    ) -> Result<(), LockError> {
+        let target = &self.target;
+        let timings = request.timings;
+        let limit = timings.check_timeout;
+        let mut conn = windows_session(target, timings.connect_timeout, limit).await?;
+        let update = conn.exec_drop(
+            "UPDATE sentinel_guard_windows SET finished_at = NOW(6), exit_code = ? \
+             WHERE name = ? AND window_start = FROM_UNIXTIME(?) AND holder = ?",
+            (
+                exit_code,
+                request.name.as_str(),
+                request.window.start / 1_000_000,
+                &request.holder.id,
+            ),
+        );
+        let done = timeout(limit, update).await;
+        let _ = timeout(limit, conn.disconnect()).await;
+        match done {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(windows_error(target, e)),
+            Err(_) => Err(no_answer(target, "UPDATE sentinel_guard_windows", limit)),
+        }
+    }
+}
+
+impl MysqlWindows {
     async fn claim_on(
         &self,
         conn: &mut Conn,
@@ -718,34 +749,6 @@ impl MysqlLock {
                 "INSERT INTO sentinel_guard_windows",
                 limit,
             )),
-        }
-    }
-
-    pub async fn record_end(
-        &self,
-        request: &ClaimRequest<'_>,
-        exit_code: u8,
-    ) -> Result<(), LockError> {
-        let target = &self.target;
-        let timings = request.timings;
-        let limit = timings.check_timeout;
-        let mut conn = windows_session(target, timings.connect_timeout, limit).await?;
-        let update = conn.exec_drop(
-            "UPDATE sentinel_guard_windows SET finished_at = NOW(6), exit_code = ? \
-             WHERE name = ? AND window_start = FROM_UNIXTIME(?) AND holder = ?",
-            (
-                exit_code,
-                request.name.as_str(),
-                request.window.start / 1_000_000,
-                &request.holder.id,
-            ),
-        );
-        let done = timeout(limit, update).await;
-        let _ = timeout(limit, conn.disconnect()).await;
-        match done {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(windows_error(target, e)),
-            Err(_) => Err(no_answer(target, "UPDATE sentinel_guard_windows", limit)),
         }
     }
 }

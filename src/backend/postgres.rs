@@ -20,6 +20,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use sha2::{Digest, Sha256};
 use tokio::net::TcpStream;
 use tokio::time::timeout;
@@ -31,10 +32,10 @@ use tracing::{debug, info, warn};
 
 use super::farewell::{Server, SessionFarewell};
 use super::record_table;
-use super::watched::{CheckTiming, SessionLock, SessionWatcher, Verdict};
+use super::watched::{CheckTiming, SessionHeld, SessionLock, SessionWatcher, Verdict};
 use super::{
     reopen, Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock, HolderInfo,
-    LockError, LockRequest,
+    LockError, LockRequest, WindowStore,
 };
 use crate::config::{LockName, PostgresTarget, Target, Timings};
 use crate::deadline::Deadline;
@@ -415,13 +416,13 @@ pub async fn acquire(
                             previous = %previous.reason(),
                             "postgres lock acquired"
                         );
-                        return Ok(Acquisition::Acquired(HeldLock::Postgres(watch(
+                        return Ok(Acquisition::Acquired(watch(
                             session,
                             target,
                             request,
                             (token, previous, recorded),
                             (sent + chunk, ports),
-                        ))));
+                        )));
                     }
                     Err(e) => e,
                 }
@@ -789,7 +790,7 @@ fn watch(
     request: &LockRequest<'_>,
     (fencing_token, previous, recorded): (u64, Previous, bool),
     asked: (Deadline, Option<(u16, u16)>),
-) -> PostgresLock {
+) -> HeldLock {
     let key = lock_key(request.name);
     let farewell = SessionFarewell {
         server: Server::Postgres,
@@ -816,10 +817,11 @@ fn watch(
         }),
         timing: CheckTiming::of(request),
     };
-    PostgresLock {
-        previous,
+    let windows = PostgresWindows {
         pid: session.pid,
         target: Box::new(target.clone()),
+    };
+    HeldLock::new(SessionHeld {
         session: SessionLock::spawn(
             watcher,
             session.client,
@@ -827,14 +829,13 @@ fn watch(
             Some(fencing_token),
             asked,
         ),
-    }
+        previous,
+        windows,
+    })
 }
 
-/// A held advisory lock, and what scheduled runs need to claim windows under it.
-pub struct PostgresLock {
-    pub session: SessionLock,
-    /// What the lock record said of the previous holder.
-    pub previous: Previous,
+/// What scheduled runs need to claim windows under a held advisory lock.
+pub struct PostgresWindows {
     /// Where scheduled runs record their windows, on a connection of their own: the lock's
     /// connection is busy with the ownership check.
     target: Box<PostgresTarget>,
@@ -861,12 +862,13 @@ fn micros(expression: &str) -> String {
     format!("(extract(epoch FROM {expression}) * 1000000)::bigint")
 }
 
-impl PostgresLock {
+#[async_trait]
+impl WindowStore for PostgresWindows {
     /// Inserts the window's row only while the lock's own backend holds the key (and is this
     /// guard's, by its `application_name`: pids are reused) and while the server's clock is inside
     /// the window; the primary key refuses a second claim. Lock names, holder ids and host names
     /// are restricted to characters that need no quoting.
-    pub async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
+    async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
         let (target, limit) = (&self.target, request.timings.check_timeout);
         let client = windows_session(target, request).await?;
         let name = request.name.as_str();
@@ -917,8 +919,8 @@ impl PostgresLock {
         Ok(ClaimAnswer::Ours)
     }
 
-    pub async fn record_end(
-        &self,
+    async fn record_end(
+        &mut self,
         request: &ClaimRequest<'_>,
         exit_code: u8,
     ) -> Result<(), LockError> {

@@ -19,6 +19,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use futures_util::StreamExt;
 use redis::aio::{ConnectionLike, MultiplexedConnection, PubSub};
 use redis::cluster::ClusterConfig;
@@ -33,11 +34,12 @@ use tracing::{debug, info, warn};
 
 use super::watched::{WatchedLock, WatcherEnds};
 use super::{
-    connect_failure, Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock,
+    connect_failure, Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, Held, HeldLock,
     HolderInfo, LockError, LockLoss, LockRequest, LossReason, Observer, Patience,
 };
 use crate::config::{LockName, RedisServers, RedisTarget, Timings};
 use crate::deadline::{self, Deadline};
+use crate::handoff::Farewell;
 use crate::holder::Holder;
 use crate::record::{set_back_error, Previous, RecordFacts, RecordState};
 use crate::vocab::CheckOutcome;
@@ -620,7 +622,7 @@ pub async fn acquire(
                     valid_until: sent + timings.redis_lease_validity(),
                     observer: Arc::clone(request.observer),
                 };
-                return Ok(Acquisition::Acquired(HeldLock::Redis(RedisLock {
+                return Ok(Acquisition::Acquired(HeldLock::new(RedisLock {
                     target: Box::new(target.clone()),
                     keys: Box::new(keys),
                     token,
@@ -913,7 +915,6 @@ async fn read_lease(
 pub struct RedisLock {
     /// For the scheduled runs' claims, which prove the lease is ours with its token.
     target: Box<RedisTarget>,
-    /// Boxed with the target, so a held lock of any backend stays small.
     keys: Box<Keys>,
     token: String,
     fence: i64,
@@ -921,32 +922,46 @@ pub struct RedisLock {
     watched: WatchedLock,
 }
 
-impl RedisLock {
-    pub fn previous(&self) -> Previous {
+#[async_trait]
+impl Held for RedisLock {
+    fn previous(&self) -> Previous {
         self.previous
     }
 
-    pub fn fencing_token(&self) -> i64 {
-        self.fence
+    fn fencing_token(&self) -> Option<String> {
+        Some(self.fence.to_string())
     }
 
-    pub async fn lost(&mut self) -> LockLoss {
-        self.watched.lost().await
+    /// The release marker is trusted only where it survives a failover (see `ACQUIRE`).
+    fn released_cleanly(&self) -> bool {
+        self.previous == Previous::Gone("released")
     }
 
-    pub fn reported_loss(&self) -> Option<LockLoss> {
+    fn app_deadline(&self) -> Option<tokio::sync::watch::Receiver<Deadline>> {
+        Some(self.watched.app_deadline())
+    }
+
+    /// A lease needs nothing: it expires on the server's schedule.
+    fn farewell(&self) -> Farewell<'_> {
+        Farewell::none()
+    }
+
+    fn reported_loss(&self) -> Option<LockLoss> {
         self.watched.reported_loss()
     }
 
-    pub async fn release(self) -> Result<(), LockError> {
+    async fn lost(&mut self) -> LockLoss {
+        self.watched.lost().await
+    }
+
+    /// Nothing to prepare: the release is one script on the renewal's connection.
+    fn release_coming(&self) {}
+
+    async fn give_back(self: Box<Self>) -> Result<(), LockError> {
         self.watched.release().await
     }
 
-    pub fn app_deadline(&self) -> tokio::sync::watch::Receiver<Deadline> {
-        self.watched.app_deadline()
-    }
-
-    pub async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
+    async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
         let window = request.window;
         // The script dates the claim with the server's clock.
         let record = Claim::head(window.start, &request.holder.id, &request.holder.host);
@@ -980,8 +995,8 @@ impl RedisLock {
         })
     }
 
-    pub async fn record_end(
-        &self,
+    async fn record_end(
+        &mut self,
         request: &ClaimRequest<'_>,
         exit_code: u8,
     ) -> Result<(), LockError> {

@@ -13,9 +13,14 @@ use tokio::sync::{oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 use tracing::{debug, Instrument};
 
-use super::{LockError, LockLoss, LockRequest, Observer};
+use async_trait::async_trait;
+
+use super::{
+    ClaimAnswer, ClaimRequest, Held, LockError, LockLoss, LockRequest, Observer, WindowStore,
+};
 use crate::deadline::Deadline;
 use crate::handoff::Farewell;
+use crate::record::Previous;
 use crate::vocab::CheckOutcome;
 use crate::vocab::LossReason;
 
@@ -87,10 +92,15 @@ impl WatchedLock {
 
     /// Resolves once the watcher reports the lock lost. Cancel-safe.
     pub async fn lost(&mut self) -> LockLoss {
-        match self.lost.wait_for(Option::is_some).await {
-            Ok(loss) => loss.clone().expect("waited for Some"),
+        // The channel's guard is let go before any wait: the future must be Send.
+        let loss = match self.lost.wait_for(Option::is_some).await {
+            Ok(loss) => loss.clone(),
+            Err(_) => None,
+        };
+        match loss {
+            Some(loss) => loss,
             // The watcher only ends without a loss after a release, when nobody waits for loss.
-            Err(_) => std::future::pending().await,
+            None => std::future::pending().await,
         }
     }
 
@@ -401,5 +411,66 @@ impl SessionLock {
 
     pub fn app_deadline(&self) -> watch::Receiver<Deadline> {
         self.watched.app_deadline()
+    }
+}
+
+/// A held session lock (MySQL, PostgreSQL): the session that proves it, what acquisition found, and
+/// the backend's store for scheduled windows.
+pub struct SessionHeld<W> {
+    pub session: SessionLock,
+    pub previous: Previous,
+    pub windows: W,
+}
+
+#[async_trait]
+impl<W: WindowStore> Held for SessionHeld<W> {
+    fn previous(&self) -> Previous {
+        self.previous
+    }
+
+    fn fencing_token(&self) -> Option<String> {
+        self.session.fencing_token().map(|token| token.to_string())
+    }
+
+    fn released_cleanly(&self) -> bool {
+        false
+    }
+
+    fn app_deadline(&self) -> Option<watch::Receiver<Deadline>> {
+        Some(self.session.app_deadline())
+    }
+
+    /// MySQL and PostgreSQL keep a dead client's lock until they notice: the watchdog ends the
+    /// session.
+    fn farewell(&self) -> Farewell<'_> {
+        self.session.farewell()
+    }
+
+    fn reported_loss(&self) -> Option<LockLoss> {
+        self.session.reported_loss()
+    }
+
+    async fn lost(&mut self) -> LockLoss {
+        self.session.lost().await
+    }
+
+    async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
+        self.windows.claim(request).await
+    }
+
+    async fn record_end(
+        &mut self,
+        request: &ClaimRequest<'_>,
+        exit_code: u8,
+    ) -> Result<(), LockError> {
+        self.windows.record_end(request, exit_code).await
+    }
+
+    fn release_coming(&self) {
+        self.session.release_coming()
+    }
+
+    async fn give_back(self: Box<Self>) -> Result<(), LockError> {
+        self.session.release().await
     }
 }
