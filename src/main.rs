@@ -7,6 +7,7 @@ mod conceal;
 mod config;
 mod deadline;
 mod endpoints;
+mod guard;
 mod handoff;
 mod holder;
 mod logging;
@@ -15,7 +16,6 @@ mod metrics;
 mod notify;
 mod outcome;
 mod record;
-mod run;
 mod status;
 mod supervisor;
 mod vocab;
@@ -151,5 +151,5 @@ fn guard(
     endpoints: Option<Endpoints>,
     parent: nix::unistd::Pid,
 ) -> anyhow::Result<Outcome> {
-    Ok(runtime()?.block_on(run::run(config, endpoints, parent)))
+    Ok(runtime()?.block_on(guard::run(config, endpoints, parent)))
 }

@@ -1,0 +1,306 @@
+//! Supervising one app: wait for its end, a lost lock, a signal or the max runtime, then stop its
+//! whole tree and give the lock back if it is still ours.
+
+use nix::sys::signal::Signal;
+use tokio::sync::watch;
+use tracing::{error, info, info_span, warn, Instrument};
+
+use crate::backend::{ClaimRequest, HeldLock, LockLoss};
+use crate::config::Config;
+use crate::deadline::{AsyncBootTimer, Deadline};
+use crate::handoff::Farewell;
+use crate::notify;
+use crate::outcome::Outcome;
+use crate::supervisor::{
+    is_shutdown, AppEnv, Event, SignalEvents, SpawnError, StartError, Supervisor,
+};
+use crate::vocab::{signal_name, AppStatus, LossReason};
+
+use super::{at, lost, next_deadline, AppGone, Finished, Guard, HIDDEN_FROM_APP};
+
+impl Guard<'_> {
+    /// Runs the app under `held` (or unguarded) until it ends or must stop; `window`, for a scheduled
+    /// run, is told to the app and records how the run ended.
+    pub(super) async fn supervise(
+        &self,
+        mut held: Option<HeldLock>,
+        signals: &mut SignalEvents,
+        window: Option<&ClaimRequest<'_>>,
+    ) -> Finished {
+        let config = self.config;
+        let mut set = vec![
+            ("SENTINEL_GUARD_NAME", config.name.to_string()),
+            ("SENTINEL_GUARD_BACKEND", self.backend.to_owned()),
+            ("SENTINEL_GUARD_HOLDER_ID", self.holder.id.clone()),
+        ];
+        set.extend(held.iter().flat_map(HeldLock::app_env));
+        if let Some(run) = window {
+            set.push(("SENTINEL_GUARD_WINDOW", run.window.index.to_string()));
+            set.push(("SENTINEL_GUARD_WINDOW_START", run.window.start_rfc3339()));
+        }
+        let env = AppEnv {
+            remove: HIDDEN_FROM_APP,
+            set,
+        };
+        let mut app_deadline = held.as_ref().and_then(HeldLock::app_deadline);
+        let lock_deadline = |rx: &Option<watch::Receiver<Deadline>>| {
+            rx.as_ref().map_or(Deadline::NEVER, |rx| *rx.borrow())
+        };
+        // Made before the app starts: a guard that cannot time its lock must not run it.
+        let mut deadline_timer = match AsyncBootTimer::new(lock_deadline(&app_deadline)) {
+            Ok(timer) => timer,
+            Err(e) => {
+                error!(event = "setup_failed", error = %e, "cannot create the lock's deadline timer; the app was not started");
+                self.release_unused(held).await;
+                return Outcome::Internal.into();
+            }
+        };
+        if let Some(loss) = held.as_ref().and_then(HeldLock::known_lost) {
+            self.metrics.lock_lost(loss.reason);
+            error!(event = "lock_lost", reason = %loss.reason, detail = %loss.detail, "lock lost before the app was started; the app was not started");
+            return Finished::LockLost(AppGone::NeverStarted);
+        }
+        let started = {
+            let farewell = match &held {
+                Some(lock) => lock.farewell(),
+                None => Farewell::none(),
+            };
+            Supervisor::start(
+                &config.command,
+                &env,
+                config.forward_to,
+                (config.stop_signal, config.timings.grace_period),
+                &farewell,
+                app_deadline.as_ref().map(|_| lock_deadline(&app_deadline)),
+            )
+            .await
+        };
+        let mut app = match started {
+            Ok(app) => app,
+            Err(StartError::DeadlinePassed) => {
+                // Not ours to give back: dropping the lock closes what is left of it.
+                self.metrics.lock_lost(LossReason::DeadlinePassed);
+                error!(event = "lock_lost", reason = %LossReason::DeadlinePassed, detail = "the lock's deadline passed before the command could run", "lock lost before the app was started; the app was not started");
+                return Finished::LockLost(AppGone::NeverStarted);
+            }
+            Err(e) => {
+                error!(event = "app_start_failed", error = %e, "app not started");
+                self.release_unused(held).await;
+                return match e {
+                    StartError::Spawn(SpawnError::NotFound { .. }) => Outcome::NotFound,
+                    StartError::Spawn(SpawnError::NotExecutable { .. }) => Outcome::NotExecutable,
+                    StartError::Setup(_)
+                    | StartError::Watchdog(_)
+                    | StartError::DeadlinePassed
+                    | StartError::CgroupJoin(_) => Outcome::Internal,
+                }
+                .into();
+            }
+        };
+        // Each app has its own span, so no line of a later acquisition (with --rejoin) names it.
+        let app_span = info_span!(
+            "app",
+            app_pid = app.app_pid().as_raw(),
+            window = window.map(|run| run.window.index)
+        );
+        async {
+            self.metrics.app_started();
+            notify::ready(&match held {
+                Some(_) => format!(
+                    "running: lock {} held by this guard ({}), app pid {}",
+                    config.name,
+                    self.holder.id,
+                    app.app_pid()
+                ),
+                None => format!("running unguarded (no lock), app pid {}", app.app_pid()),
+            });
+            let max_runtime_at = config.max_runtime.map(Deadline::after);
+            let mut kill_at: Option<Deadline> = None;
+            let ending = loop {
+                tokio::select! {
+                    // The lock's deadline first: after a freeze, a passed deadline is acted on before any
+                    // later one, or any other event, is read.
+                    biased;
+                    () = deadline_timer.fired() => break Ending::Lost(LockLoss {
+                        reason: LossReason::DeadlinePassed,
+                        detail: "ownership was not proven again before the lock's deadline".to_owned(),
+                    }),
+                    dead_by = next_deadline(&mut app_deadline) => {
+                        app.lock_deadline(dead_by);
+                        if let Err(e) = deadline_timer.arm(dead_by) {
+                            // The watchdog still holds the deadline; the next proof re-arms the timer.
+                            warn!(event = "timer_failed", error = %e, "cannot re-arm the lock's deadline timer");
+                        }
+                    }
+                    event = app.next_event() => break match event {
+                        Event::AppExited(status) => Ending::AppExited(status),
+                        Event::WatchdogEnded { acted: true } => Ending::Lost(LockLoss {
+                            reason: LossReason::GuardFrozen,
+                            detail: "the watchdog stopped the app while the guard was unresponsive".to_owned(),
+                        }),
+                        Event::WatchdogEnded { acted: false } => Ending::Lost(LockLoss {
+                            reason: LossReason::WatchdogDied,
+                            detail: "the watchdog process exited; the app may not run without it".to_owned(),
+                        }),
+                    },
+                    loss = lost(&mut held) => break Ending::Lost(loss),
+                    signal = signals.next() => {
+                        app.forward(signal);
+                        if is_shutdown(signal) && kill_at.is_none() {
+                            self.stop_requested.set(true);
+                            kill_at = Some(Deadline::after(config.timings.grace_period));
+                            notify::stopping(&format!("stopping: {} forwarded to the app", signal_name(signal)));
+                        }
+                    }
+                    () = at(kill_at) => {
+                        app.kill_all();
+                        warn!(event = "killing_app", grace = %humantime::format_duration(config.timings.grace_period), "app still running after the grace period; sent SIGKILL");
+                        kill_at = None;
+                    }
+                    () = at(max_runtime_at) => break Ending::MaxRuntime,
+                }
+            };
+            let last_deadline = lock_deadline(&app_deadline);
+            self.finish(app, held, ending, last_deadline, kill_at, window)
+                .await
+        }
+        .instrument(app_span)
+        .await
+    }
+
+    /// The one way out of supervision: stop the app's whole tree, then give the lock back if it is
+    /// still ours, and say how the run ended.
+    pub(super) async fn finish(
+        &self,
+        mut app: Supervisor,
+        mut held: Option<HeldLock>,
+        ending: Ending,
+        lock_deadline: Deadline,
+        kill_at: Option<Deadline>,
+        window: Option<&ClaimRequest<'_>>,
+    ) -> Finished {
+        let config = self.config;
+        let grace_ends = kill_at.unwrap_or_else(|| Deadline::after(config.timings.grace_period));
+        let (signal, kill_by) = match &ending {
+            // A passed deadline is final: no grace, whatever is alive is killed now.
+            Ending::Lost(loss)
+                if matches!(
+                    loss.reason,
+                    LossReason::DeadlinePassed | LossReason::GuardFrozen
+                ) =>
+            {
+                (Signal::SIGKILL, Deadline::now())
+            }
+            _ => (config.stop_signal, grace_ends.min(lock_deadline)),
+        };
+        // Counted before teardown, so /leader turns 503 the moment the lock is gone or the app ends.
+        match &ending {
+            Ending::Lost(loss) => {
+                self.metrics.lock_lost(loss.reason);
+                if loss.reason != LossReason::WatchdogDied {
+                    app.lock_lost();
+                }
+            }
+            Ending::AppExited(status) => self.metrics.app_ended(Some(*status)),
+            Ending::MaxRuntime => {}
+        }
+        // Still ours unless lost: after a watchdog that died, the app may not run without it, but
+        // the lock holds.
+        let still_ours =
+            !matches!(&ending, Ending::Lost(loss) if loss.reason != LossReason::WatchdogDied);
+        let stopped = app
+            .stop(signal, kill_by, || {
+                // A lock that will be given back gets ready for that while the tree is torn down.
+                if let (true, Some(lock)) = (still_ours, held.as_ref()) {
+                    lock.release_coming();
+                }
+                announce(&ending, config)
+            })
+            .await;
+
+        if !matches!(ending, Ending::AppExited(_)) {
+            self.metrics.app_ended(stopped.app);
+        }
+        let status = stopped
+            .app
+            .map_or_else(|| "unknown".to_owned(), |s| s.to_string());
+        info!(event = "app_stopped", status = %status, "app process tree is gone");
+        // A lock already counted as lost (its deadline passed, the watchdog acted) is not counted
+        // again; an app that seemed to end on its own was in fact stopped by the watchdog.
+        if stopped.watchdog_acted && !matches!(&ending, Ending::Lost(_)) {
+            // The guard learns it from the watchdog itself, not from a deadline that may have moved.
+            self.metrics.lock_lost(LossReason::GuardFrozen);
+            error!(
+                event = "lock_lost",
+                reason = %LossReason::GuardFrozen,
+                "the lock ran out while the guard was unresponsive; the watchdog stopped the app"
+            );
+            return Finished::LockLost(AppGone::Stopped);
+        }
+        let outcome = match &ending {
+            Ending::AppExited(status) => Outcome::AppExited(*status),
+            Ending::MaxRuntime => Outcome::MaxRuntime,
+            Ending::Lost(_) => Outcome::LockLost,
+        };
+        if still_ours {
+            // The run's end is recorded under the lock, then it is given back.
+            if let (Some(run), Some(lock)) = (window, held.as_mut()) {
+                let code = outcome.exit_code(config.held_exit_code, &config.exit_code_map);
+                if let Err(e) = lock.record_end(run, code).await {
+                    warn!(event = "run_end_unrecorded", window = run.window.index, error = %e, "cannot record how the window's run ended");
+                }
+            }
+            self.release(held, stopped.gone).await;
+        } else if let Some(run) = window {
+            drop(stopped.gone);
+            // A lost lock is dropped, which closes what is left of it: it is not ours to give
+            // back, nor to record the run's end under.
+            warn!(
+                event = "run_end_unrecorded",
+                window = run.window.index,
+                "the lock was lost: the window's claim keeps no exit code"
+            );
+        }
+        match outcome {
+            Outcome::LockLost => Finished::LockLost(AppGone::Stopped),
+            outcome => outcome.into(),
+        }
+    }
+}
+
+/// Says why the app is being stopped, once the first signal is out.
+fn announce(ending: &Ending, config: &Config) {
+    match ending {
+        Ending::Lost(loss) => {
+            error!(
+                event = "lock_lost",
+                reason = %loss.reason,
+                detail = %loss.detail,
+                "lock lost; stopping the app"
+            );
+            notify::stopping(&format!(
+                "stopping the app after lock loss ({})",
+                loss.reason
+            ));
+        }
+        Ending::AppExited(status) => {
+            info!(event = "app_exited", %status, "app ended");
+            notify::stopping(&format!("app {status}; stopping"));
+        }
+        Ending::MaxRuntime => {
+            warn!(
+                event = "max_runtime",
+                max_runtime = %config.max_runtime.map(|d| humantime::format_duration(d).to_string()).unwrap_or_default(),
+                "max runtime reached; stopping the app"
+            );
+            notify::stopping("stopping the app: max runtime reached");
+        }
+    }
+}
+
+/// Why supervision ended.
+pub(super) enum Ending {
+    AppExited(AppStatus),
+    Lost(LockLoss),
+    MaxRuntime,
+}
