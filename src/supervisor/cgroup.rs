@@ -149,12 +149,9 @@ impl AppCgroup {
     /// as a whole: no process gets it twice); returns those signalled. Ones forked meanwhile are
     /// found by the next call; SIGKILL should go through `kill`, which cannot miss them.
     pub fn signal_outside(&self, group: Pid, signal: Signal) -> Vec<Pid> {
-        let mut signalled = self.members().unwrap_or_default();
-        signalled.retain(|pid| getpgid(Some(*pid)).is_ok_and(|g| g != group));
-        for pid in &signalled {
-            let _ = kill(*pid, signal);
-        }
-        signalled
+        let mut outside = self.members().unwrap_or_default();
+        outside.retain(|pid| getpgid(Some(*pid)).is_ok_and(|g| g != group));
+        super::pidfd::signal_listed(&outside, || self.members(), signal)
     }
 
     /// SIGKILLs every process in it, including any being forked (`cgroup.kill`). Where that takes a

@@ -1,6 +1,7 @@
 //! The supervised app: spawning it, forwarding signals, reaping, and tearing its whole tree down.
 
 mod cgroup;
+mod pidfd;
 mod reaper;
 mod signals;
 mod spawn;
@@ -303,20 +304,24 @@ async fn teardown(
         }
         // Processes that left the app's group, and orphans handed to the guard: each gets the
         // current signal once. They are the guard's children, unreaped, so their pids are theirs.
-        // So are the cgroup's members outside the group, while it lists them (a setsid'd process
-        // whose parent still runs is in no list of the guard's).
+        // The cgroup's members outside the group (a setsid'd process whose parent still runs is
+        // in no list of the guard's) are known only by a number read from its list: pinned first.
         let in_cgroup = cgroup.and_then(|cgroup| cgroup.members().ok());
         if let Some(in_cgroup) = &in_cgroup {
             signalled.retain(|pid| left.contains(pid) || in_cgroup.contains(pid));
         }
-        let outside = in_cgroup
-            .into_iter()
-            .flatten()
-            .filter(|pid| nix::unistd::getpgid(Some(*pid)).is_ok_and(|group| group != app));
-        for pid in left.into_iter().chain(outside) {
+        for pid in left {
             if signalled.insert(pid) {
                 let _ = kill(pid, current);
             }
+        }
+        if let (Some(cgroup), Some(in_cgroup)) = (cgroup, in_cgroup) {
+            let outside: Vec<Pid> = in_cgroup
+                .into_iter()
+                .filter(|pid| !signalled.contains(pid))
+                .filter(|pid| nix::unistd::getpgid(Some(*pid)).is_ok_and(|group| group != app))
+                .collect();
+            signalled.extend(pidfd::signal_listed(&outside, || cgroup.members(), current));
         }
         if !logged {
             logged = true;

@@ -38,7 +38,7 @@ use nix::errno::Errno;
 use nix::fcntl::{fcntl, FcntlArg, FdFlag, OFlag};
 use nix::libc;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-use nix::sys::signal::{kill, killpg, sigprocmask, SigSet, SigmaskHow, Signal};
+use nix::sys::signal::{killpg, sigprocmask, SigSet, SigmaskHow, Signal};
 use nix::sys::stat::{fstat, SFlag};
 use nix::unistd::{fork, getpid, getppid, pipe2, ForkResult, Pid};
 use tracing::{debug, error, info, info_span, warn};
@@ -795,11 +795,21 @@ impl Reach {
         // Its parent is still the guard (the watchdog was forked by it): the guard lives, and its
         // subtree is the app's. After its death the parent is someone else, whose subtree is not.
         if getppid() == self.guard {
-            for pid in super::tree::descendants(self.guard, getpid()) {
-                if nix::unistd::getpgid(Some(pid)).is_ok_and(|g| g != group) {
-                    let _ = kill(pid, signal);
+            let outside: Vec<Pid> = super::tree::descendants(self.guard, getpid())
+                .into_iter()
+                .filter(|pid| nix::unistd::getpgid(Some(*pid)).is_ok_and(|g| g != group))
+                .collect();
+            // The walk again, trusted only if the guard was still the parent after it: a guard
+            // that died meanwhile may have left its pid, and so its subtree, to a stranger.
+            let again = || {
+                let walked = super::tree::descendants(self.guard, getpid());
+                if getppid() == self.guard {
+                    Ok(walked)
+                } else {
+                    Err(io::Error::other("the guard died during the walk"))
                 }
-            }
+            };
+            super::pidfd::signal_listed(&outside, again, signal);
         }
     }
 
