@@ -23,7 +23,7 @@ use tracing::info;
 
 use super::{
     Acquisition, ClaimAnswer, ClaimRequest, Contention, Held, HeldLock, HolderInfo, LockError,
-    LockLoss, LockRequest, LossReason, Observer,
+    LockLoss, LockRequest, LossReason, Observer, WindowStore,
 };
 use crate::handoff::Farewell;
 use crate::holder::Holder;
@@ -745,6 +745,31 @@ impl Held for FileLock {
         }
     }
 
+    async fn give_back(self: Box<Self>) -> Result<(), LockError> {
+        let mut this = *self;
+        // Never unlink: a contender may already have the inode open and would lock a file no one else
+        // can find. Dropping the holder from the record keeps a stale identity from being reported as
+        // the holder; the magic line keeps the file recognisably ours.
+        let released = LockLine {
+            state: RecordState::Released,
+            ..this.record.lock.clone()
+        };
+        let _ = write_record(
+            &mut this.file,
+            None,
+            this.record.claim.as_ref(),
+            Some(&released),
+        );
+        this.file.unlock().map_err(|(_, errno)| {
+            LockError::Refused(format!("unlock {}: {errno}", this.path.display()))
+        })?;
+        info!(event = "lock_released", path = %this.path.display(), "file lock released");
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl WindowStore for FileLock {
     /// Windows come from this host's clock: every guard of a file lock runs on this host.
     async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
         let window = request.window;
@@ -785,28 +810,6 @@ impl Held for FileLock {
             }),
             ..claim
         })
-    }
-
-    async fn give_back(self: Box<Self>) -> Result<(), LockError> {
-        let mut this = *self;
-        // Never unlink: a contender may already have the inode open and would lock a file no one else
-        // can find. Dropping the holder from the record keeps a stale identity from being reported as
-        // the holder; the magic line keeps the file recognisably ours.
-        let released = LockLine {
-            state: RecordState::Released,
-            ..this.record.lock.clone()
-        };
-        let _ = write_record(
-            &mut this.file,
-            None,
-            this.record.claim.as_ref(),
-            Some(&released),
-        );
-        this.file.unlock().map_err(|(_, errno)| {
-            LockError::Refused(format!("unlock {}: {errno}", this.path.display()))
-        })?;
-        info!(event = "lock_released", path = %this.path.display(), "file lock released");
-        Ok(())
     }
 }
 

@@ -392,7 +392,7 @@ pub fn lock_key(target: &Target, name: &LockName) -> Option<i64> {
 /// default. A new backend implements it in its own file (its `acquire`, `status` and the rest are
 /// still dispatched on `Target` below).
 #[async_trait]
-pub trait Held: Send {
+pub trait Held: WindowStore {
     /// What the lock record found at acquisition says of the previous holder's app.
     fn previous(&self) -> Previous;
 
@@ -418,17 +418,6 @@ pub trait Held: Send {
     /// Resolves once the lock is no longer ours. Cancel-safe: may be polled again after a drop.
     async fn lost(&mut self) -> LockLoss;
 
-    /// Claims `request.window`, in one step that also proves the lock is still ours and that the
-    /// backend's clock is inside the window.
-    async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError>;
-
-    /// Records how the run of a claimed window ended; only called while the lock is still ours.
-    async fn record_end(
-        &mut self,
-        request: &ClaimRequest<'_>,
-        exit_code: u8,
-    ) -> Result<(), LockError>;
-
     /// A release will follow once the app's tree is gone (see `HeldLock::release_coming`): the
     /// moment to get ready for it, never blocking.
     fn release_coming(&self);
@@ -436,12 +425,16 @@ pub trait Held: Send {
     async fn give_back(self: Box<Self>) -> Result<(), LockError>;
 }
 
-/// Where scheduled runs record their windows under a held session lock (MySQL, PostgreSQL: a table
-/// on a connection of its own, as the lock's connection is busy with its check).
+/// Where scheduled runs record their windows under a held lock: every held lock is one (`Held`); the
+/// session backends keep theirs in a table on a connection of its own, as the lock's connection is
+/// busy with its check.
 #[async_trait]
 pub trait WindowStore: Send {
+    /// Claims `request.window`, in one step that also proves the lock is still ours and that the
+    /// backend's clock is inside the window.
     async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError>;
 
+    /// Records how the run of a claimed window ended; only called while the lock is still ours.
     async fn record_end(
         &mut self,
         request: &ClaimRequest<'_>,

@@ -35,7 +35,7 @@ use tracing::{debug, info, warn};
 use super::watched::{WatchedLock, WatcherEnds};
 use super::{
     connect_failure, Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, Held, HeldLock,
-    HolderInfo, LockError, LockLoss, LockRequest, LossReason, Observer, Patience,
+    HolderInfo, LockError, LockLoss, LockRequest, LossReason, Observer, Patience, WindowStore,
 };
 use crate::config::{LockName, RedisServers, RedisTarget, Timings};
 use crate::deadline::{self, Deadline};
@@ -960,7 +960,10 @@ impl Held for RedisLock {
     async fn give_back(self: Box<Self>) -> Result<(), LockError> {
         self.watched.release().await
     }
+}
 
+#[async_trait]
+impl WindowStore for RedisLock {
     async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
         let window = request.window;
         // The script dates the claim with the server's clock.

@@ -423,6 +423,21 @@ pub struct SessionHeld<W> {
 }
 
 #[async_trait]
+impl<W: WindowStore> WindowStore for SessionHeld<W> {
+    async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
+        self.windows.claim(request).await
+    }
+
+    async fn record_end(
+        &mut self,
+        request: &ClaimRequest<'_>,
+        exit_code: u8,
+    ) -> Result<(), LockError> {
+        self.windows.record_end(request, exit_code).await
+    }
+}
+
+#[async_trait]
 impl<W: WindowStore> Held for SessionHeld<W> {
     fn previous(&self) -> Previous {
         self.previous
@@ -452,18 +467,6 @@ impl<W: WindowStore> Held for SessionHeld<W> {
 
     async fn lost(&mut self) -> LockLoss {
         self.session.lost().await
-    }
-
-    async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
-        self.windows.claim(request).await
-    }
-
-    async fn record_end(
-        &mut self,
-        request: &ClaimRequest<'_>,
-        exit_code: u8,
-    ) -> Result<(), LockError> {
-        self.windows.record_end(request, exit_code).await
     }
 
     fn release_coming(&self) {
