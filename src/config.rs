@@ -10,8 +10,10 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use thiserror::Error;
 
+mod etcd_target;
 mod redis_target;
 
+pub use etcd_target::EtcdTarget;
 pub use redis_target::{RedisServers, RedisTarget};
 
 use crate::cli::{Cli, ForwardTo, LockArgs, LogFormat, OutputFormat, StatusArgs, Subcommand};
@@ -368,6 +370,13 @@ fn schedule(
             humantime::format_duration(period)
         )));
     }
+    if let Some(Target::Etcd(_)) = target {
+        return Err(invalid(format!(
+            "{option} is not available with etcd: windows are numbered by the backend's clock, so that \
+             every replica sees the same ones whatever its own clock says, and etcd has no clock to \
+             ask; use a MySQL, PostgreSQL or Redis lock for scheduled runs"
+        )));
+    }
     if let Some(Target::Mysql(mysql)) = target {
         if mysql.opts.db_name().is_none() {
             return Err(invalid(format!(
@@ -449,6 +458,7 @@ pub enum Target {
     Mysql(MysqlTarget),
     Postgres(Box<PostgresTarget>),
     Redis(Box<RedisTarget>),
+    Etcd(Box<EtcdTarget>),
     File(PathBuf),
 }
 
@@ -663,9 +673,12 @@ impl Target {
         if let Some(redis) = RedisTarget::parse(raw, redis_prefix) {
             return Ok(Target::Redis(Box::new(redis?)));
         }
+        if let Some(etcd) = EtcdTarget::parse(raw) {
+            return Ok(Target::Etcd(Box::new(etcd?)));
+        }
         let url = url::Url::parse(raw).map_err(|e| {
             invalid(format!(
-                "--url: not a valid URL ({e}); expected mysql://, postgres://, redis://, rediss://, redis+sentinel://, redis+cluster:// or file:///abs/path.lock"
+                "--url: not a valid URL ({e}); expected mysql://, postgres://, redis://, rediss://, redis+sentinel://, redis+cluster://, etcd://, etcds:// or file:///abs/path.lock"
             ))
         })?;
         match url.scheme() {
@@ -719,7 +732,7 @@ impl Target {
             }
             other => Err(invalid(format!(
                 "--url: unsupported scheme {other:?}; expected mysql://, postgres://, redis://, rediss://, redis+sentinel://, \
-                 redis+cluster:// (or their TLS forms rediss+...) or file://"
+                 redis+cluster:// (or their TLS forms rediss+...), etcd://, etcds:// or file://"
             ))),
         }
     }
@@ -772,6 +785,16 @@ impl Target {
                 postgres.tls.ca_file = Some(ca.path.clone());
                 Ok(Target::Postgres(postgres))
             }
+            Target::Etcd(mut etcd) => {
+                if !etcd.tls {
+                    return Err(invalid(format!(
+                        "--ca-file {shown}: {} does not use TLS; use etcds://",
+                        etcd.url
+                    )));
+                }
+                etcd.ca = Some(ca.clone());
+                Ok(Target::Etcd(etcd))
+            }
             Target::File(path) => Err(invalid(format!(
                 "--ca-file {shown}: file://{} is a local lock and uses no TLS",
                 path.display()
@@ -785,6 +808,7 @@ impl Target {
             Target::Mysql(mysql) => mysql.url.to_string(),
             Target::Postgres(postgres) => postgres.url.to_string(),
             Target::Redis(redis) => redis.url.to_string(),
+            Target::Etcd(etcd) => etcd.url.to_string(),
             Target::File(path) => format!("file://{}", path.display()),
         }
     }
@@ -794,6 +818,7 @@ impl Target {
             Target::Mysql(_) => "mysql",
             Target::Postgres(_) => "postgres",
             Target::Redis(_) => "redis",
+            Target::Etcd(_) => "etcd",
             Target::File(_) => "file",
         }
     }
@@ -852,13 +877,13 @@ impl Timings {
 
     /// What the guard subtracts from a Redis lease for clock-rate drift between guard and server and
     /// for its own scheduling: 1% of the ttl plus 100ms.
-    pub fn redis_drift_margin(&self) -> Duration {
+    pub fn lease_drift_margin(&self) -> Duration {
         self.ttl / 100 + Duration::from_millis(100)
     }
 
     /// How long after a renewal was sent the guard may rely on the lease.
-    pub fn redis_lease_validity(&self) -> Duration {
-        self.ttl.saturating_sub(self.redis_drift_margin())
+    pub fn lease_validity(&self) -> Duration {
+        self.ttl.saturating_sub(self.lease_drift_margin())
     }
 
     pub fn validate(&self, target: Option<&Target>) -> Result<(), ConfigError> {
@@ -895,8 +920,8 @@ impl Timings {
                 )));
             }
         }
-        if let Some(Target::Redis(_)) = target {
-            self.validate_redis_lease()?;
+        if let Some(Target::Redis(_) | Target::Etcd(_)) = target {
+            self.validate_lease()?;
         }
         Ok(())
     }
@@ -904,12 +929,12 @@ impl Timings {
     /// A renewal attempt starts every renew-interval and gives up after check-timeout; the app must be
     /// told to stop grace-period before the lease can run out. So one renewal must always fit between
     /// the last confirmed one and the moment the stop begins.
-    fn validate_redis_lease(&self) -> Result<(), ConfigError> {
+    fn validate_lease(&self) -> Result<(), ConfigError> {
         let show = |d: Duration| humantime::format_duration(d).to_string();
         if self.renew_interval.is_zero() {
             return Err(invalid("--renew-interval must be longer than 0s"));
         }
-        let margin = self.redis_drift_margin();
+        let margin = self.lease_drift_margin();
         let budget = self
             .ttl
             .saturating_sub(margin)
@@ -917,7 +942,7 @@ impl Timings {
         let needed = self.renew_interval + self.check_timeout;
         if self.ttl <= margin + self.grace_period || budget < needed {
             return Err(invalid(format!(
-                "unsafe redis timings: ttl {} - drift margin {} - grace-period {} = {} must be at least \
+                "unsafe lease timings: ttl {} - drift margin {} - grace-period {} = {} must be at least \
                  renew-interval {} + check-timeout {} = {}, or the app could outlive its lease; \
                  raise --ttl, or lower --grace-period, --renew-interval or --check-timeout",
                 show(self.ttl),

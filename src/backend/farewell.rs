@@ -1,6 +1,7 @@
-//! The farewell message of a session-holding backend (MySQL, PostgreSQL): what the guard's watchdog
-//! needs to end the dead guard's session once its app is gone, so a standby takes over at once
-//! rather than when the server notices the dead client (at the end of the outstanding check).
+//! The farewell message of a session-holding backend (MySQL, PostgreSQL, and etcd, whose lease is
+//! its session): what the guard's watchdog needs to end the dead guard's session once its app is
+//! gone, so a standby takes over at once rather than when the server notices the dead client (at
+//! the end of the outstanding check, or of the lease).
 //!
 //! The watchdog acts only if the lock is still held by that very session, as its backend checks:
 //! after a server restart session ids start again, and the id may by then be a stranger's.
@@ -17,6 +18,7 @@ use crate::config::{CaFile, SecretUrl, Target};
 pub enum Server {
     Mysql,
     Postgres,
+    Etcd,
 }
 
 impl Server {
@@ -24,11 +26,12 @@ impl Server {
         match self {
             Server::Mysql => b'm',
             Server::Postgres => b'p',
+            Server::Etcd => b'e',
         }
     }
 
     fn of_tag(tag: u8) -> Option<Server> {
-        [Server::Mysql, Server::Postgres]
+        [Server::Mysql, Server::Postgres, Server::Etcd]
             .into_iter()
             .find(|server| server.tag() == tag)
     }
@@ -37,8 +40,8 @@ impl Server {
 pub struct SessionFarewell {
     pub server: Server,
     pub url: SecretUrl,
-    /// MySQL's connection id, PostgreSQL's backend pid.
-    pub session_id: u32,
+    /// MySQL's connection id, PostgreSQL's backend pid, etcd's lease id.
+    pub session_id: u64,
     pub name: String,
     /// The dead guard's holder id, which its session shows (a query comment, `application_name`).
     pub holder_id: String,
@@ -75,12 +78,12 @@ impl SessionFarewell {
     pub fn decode(bytes: &[u8]) -> Option<SessionFarewell> {
         let (&tag, rest) = bytes.split_first()?;
         let server = Server::of_tag(tag)?;
-        if rest.len() < 9 {
+        if rest.len() < 13 {
             return None;
         }
-        let session_id = u32::from_le_bytes(rest[0..4].try_into().ok()?);
-        let timeout_ms = u32::from_le_bytes(rest[4..8].try_into().ok()?);
-        let mut rest = &rest[8..];
+        let session_id = u64::from_le_bytes(rest[0..8].try_into().ok()?);
+        let timeout_ms = u32::from_le_bytes(rest[8..12].try_into().ok()?);
+        let mut rest = &rest[12..];
         let mut field = || {
             let (&len, tail) = rest.split_first()?;
             let value = std::str::from_utf8(tail.get(..usize::from(len))?).ok()?;
@@ -134,11 +137,11 @@ mod tests {
 
     #[test]
     fn farewell_messages_round_trip_and_others_are_refused() {
-        for server in [Server::Mysql, Server::Postgres] {
+        for server in [Server::Mysql, Server::Postgres, Server::Etcd] {
             let farewell = SessionFarewell {
                 server,
                 url: SecretUrl::new("mysql://sg:pw@db:3306/app".to_owned()),
-                session_id: 4_000_000_001,
+                session_id: 9_000_000_000_000_000_001,
                 name: "billing".to_owned(),
                 holder_id: "27e1d7a4c2e445db".to_owned(),
                 timeout: Duration::from_millis(1500),
@@ -148,7 +151,7 @@ mod tests {
             assert_eq!(decoded.ca_file, farewell.ca_file);
             assert_eq!(decoded.server, server);
             assert_eq!(decoded.url.expose(), "mysql://sg:pw@db:3306/app");
-            assert_eq!(decoded.session_id, 4_000_000_001);
+            assert_eq!(decoded.session_id, 9_000_000_000_000_000_001);
             assert_eq!(decoded.name, "billing");
             assert_eq!(decoded.holder_id, "27e1d7a4c2e445db");
             assert_eq!(decoded.timeout, Duration::from_millis(1500));

@@ -3,6 +3,7 @@
 //! Each backend proves ownership its own way (a MySQL connection that holds `GET_LOCK`, a `flock`ed
 //! file), but callers only see `Acquisition`, `HeldLock::lost` and `HeldLock::release`.
 
+mod etcd;
 mod farewell;
 mod file;
 mod mysql;
@@ -287,6 +288,7 @@ pub async fn acquire(target: &Target, request: &LockRequest<'_>) -> Result<Acqui
         Target::Mysql(mysql) => mysql::acquire(mysql, request).await,
         Target::Postgres(postgres) => postgres::acquire(postgres, request).await,
         Target::Redis(redis) => redis::acquire(redis, request).await,
+        Target::Etcd(etcd) => etcd::acquire(etcd, request).await,
         Target::File(path) => file::acquire(path, request).await,
     }
 }
@@ -303,6 +305,7 @@ pub async fn status(
         Target::Mysql(mysql) => mysql::status(mysql, name, connect, answer).await,
         Target::Postgres(postgres) => postgres::status(postgres, name, connect, answer).await,
         Target::Redis(redis) => redis::status(redis, name, connect, answer).await,
+        Target::Etcd(etcd) => etcd::status(etcd, name, connect, answer).await,
         Target::File(path) => file::status(path),
     }
 }
@@ -314,6 +317,10 @@ pub async fn server_clock(target: &Target, timings: &Timings) -> Result<UnixMicr
         Target::Mysql(mysql) => mysql::server_clock(mysql, timings).await,
         Target::Postgres(postgres) => postgres::server_clock(postgres, timings).await,
         Target::Redis(redis) => redis::server_clock(redis, timings).await,
+        // Refused at start-up (`config::schedule`): etcd has no clock to ask.
+        Target::Etcd(_) => Err(LockError::Refused(
+            "etcd has no clock to number windows with".to_owned(),
+        )),
         Target::File(_) => Ok(crate::window::local_now()),
     }
 }
@@ -330,6 +337,7 @@ pub async fn last_claim(
         Target::Mysql(mysql) => mysql::last_claim(mysql, name, connect, answer).await,
         Target::Postgres(postgres) => postgres::last_claim(postgres, name, connect, answer).await,
         Target::Redis(redis) => redis::last_claim(redis, name, connect, answer).await,
+        Target::Etcd(_) => Ok(None),
         Target::File(path) => Ok(file::last_claim(path)),
     }
 }
@@ -345,6 +353,7 @@ pub async fn last_record(
         Target::Mysql(mysql) => mysql::last_record(mysql, name, connect, answer).await,
         Target::Postgres(postgres) => postgres::last_record(postgres, name, connect, answer).await,
         Target::Redis(redis) => redis::last_record(redis, name, connect, answer).await,
+        Target::Etcd(etcd) => etcd::last_record(etcd, name, connect, answer).await,
         Target::File(path) => Ok(file::last_record(path)),
     }
 }
@@ -384,7 +393,7 @@ pub struct ClaimRequest<'a> {
 pub fn lock_key(target: &Target, name: &LockName) -> Option<i64> {
     match target {
         Target::Postgres(_) => Some(postgres::lock_key(name)),
-        Target::Mysql(_) | Target::Redis(_) | Target::File(_) => None,
+        Target::Mysql(_) | Target::Redis(_) | Target::Etcd(_) | Target::File(_) => None,
     }
 }
 
@@ -532,5 +541,6 @@ pub fn say_farewell(message: &[u8]) -> Result<String, String> {
     match farewell.server {
         farewell::Server::Mysql => mysql::end_session(&farewell),
         farewell::Server::Postgres => postgres::end_session(&farewell),
+        farewell::Server::Etcd => etcd::end_session(&farewell),
     }
 }

@@ -555,7 +555,7 @@ async fn end_on(
 async fn runs_our_check(
     conn: &mut Conn,
     name: &str,
-    id: u32,
+    id: u64,
     holder_id: &str,
     limit: Duration,
 ) -> Result<bool, Option<mysql_async::Error>> {
@@ -587,7 +587,7 @@ fn watch(
     let farewell = SessionFarewell {
         server: Server::Mysql,
         url: target.secret.clone(),
-        session_id: conn.id(),
+        session_id: u64::from(conn.id()),
         name: request.name.as_str().to_owned(),
         holder_id: request.holder.id.clone(),
         timeout: request.timings.connect_timeout,
@@ -1243,7 +1243,7 @@ impl SessionWatcher for Watcher {
             let proof = runs_our_check(
                 conn,
                 &self.name,
-                self.conn_id,
+                u64::from(self.conn_id),
                 &self.holder_id,
                 INTERRUPT_TIMEOUT,
             )

@@ -795,7 +795,7 @@ fn watch(
     let farewell = SessionFarewell {
         server: Server::Postgres,
         url: target.secret.clone(),
-        session_id: session.pid as u32,
+        session_id: u64::from(session.pid as u32),
         name: request.name.as_str().to_owned(),
         holder_id: request.holder.id.clone(),
         timeout: request.timings.connect_timeout,

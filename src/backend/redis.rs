@@ -619,7 +619,7 @@ pub async fn acquire(
                     fence,
                     conn: Some(conn),
                     timings,
-                    valid_until: sent + timings.redis_lease_validity(),
+                    valid_until: sent + timings.lease_validity(),
                     observer: Arc::clone(request.observer),
                 };
                 return Ok(Acquisition::Acquired(HeldLock::new(RedisLock {
@@ -1149,7 +1149,7 @@ impl Lease {
             };
             match step {
                 Step::Renewed(Renewal::Confirmed { sent }) => {
-                    self.valid_until = sent + self.timings.redis_lease_validity();
+                    self.valid_until = sent + self.timings.lease_validity();
                     ends.app_dead_by(self.valid_until);
                     next_attempt = sent + self.timings.renew_interval;
                     debug!("redis lease renewed");

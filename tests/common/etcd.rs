@@ -1,72 +1,176 @@
-//! A private single-member `etcd` on free loopback ports, for measuring `etcdctl lock` beside the
-//! guard. `None` where etcd is not installed: the comparison is optional, the guard's tests are not.
+//! A private etcd cluster on free loopback ports: one member for the benchmark's `etcdctl lock`
+//! rows (`None` where etcd is not installed), three for the etcd backend's tests. Elections are
+//! fast (50ms heartbeat, 500ms election timeout) so a lost leader is replaced well within a lease.
 
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use super::{free_port, wait_until, TempDir};
+use super::{free_port, send, wait_until, TempDir};
+
+struct Member {
+    name: String,
+    client_port: u16,
+    peer_port: u16,
+    process: Option<Child>,
+}
 
 pub struct Etcd {
-    _dir: TempDir,
-    endpoint: String,
-    process: Child,
+    dir: TempDir,
+    members: Vec<Member>,
+    initial_cluster: String,
 }
 
 impl Etcd {
+    /// One member, where etcd is installed.
     pub fn start() -> Option<Etcd> {
         Command::new("etcd").arg("--version").output().ok()?;
         Command::new("etcdctl").arg("version").output().ok()?;
-        let dir = tempfile::tempdir().unwrap();
-        let (client, peer) = (
-            format!("http://127.0.0.1:{}", free_port()),
-            format!("http://127.0.0.1:{}", free_port()),
-        );
+        Some(Etcd::cluster(1))
+    }
+
+    /// `size` members forming one cluster, each healthy before this returns.
+    pub fn cluster(size: usize) -> Etcd {
+        let members: Vec<Member> = (0..size)
+            .map(|i| Member {
+                name: format!("m{i}"),
+                client_port: free_port(),
+                peer_port: free_port(),
+                process: None,
+            })
+            .collect();
+        let initial_cluster = members
+            .iter()
+            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut etcd = Etcd {
+            dir: tempfile::tempdir().unwrap(),
+            members,
+            initial_cluster,
+        };
+        for i in 0..size {
+            etcd.launch(i);
+        }
+        let healthy = wait_until(Duration::from_secs(30), || etcd.healthy());
+        assert!(healthy, "private etcd cluster never became healthy");
+        etcd
+    }
+
+    fn data_dir(&self, i: usize) -> PathBuf {
+        self.dir.path().join(&self.members[i].name)
+    }
+
+    fn launch(&mut self, i: usize) {
+        let data = self.data_dir(i);
+        let member = &self.members[i];
+        let client = format!("http://127.0.0.1:{}", member.client_port);
+        let peer = format!("http://127.0.0.1:{}", member.peer_port);
         let process = Command::new("etcd")
-            .arg("--name=bench")
-            .arg(format!("--data-dir={}", dir.path().join("data").display()))
+            .arg(format!("--name={}", member.name))
+            .arg(format!("--data-dir={}", data.display()))
             .arg(format!("--listen-client-urls={client}"))
             .arg(format!("--advertise-client-urls={client}"))
             .arg(format!("--listen-peer-urls={peer}"))
             .arg(format!("--initial-advertise-peer-urls={peer}"))
-            .arg(format!("--initial-cluster=bench={peer}"))
+            .arg(format!("--initial-cluster={}", self.initial_cluster))
+            .arg("--initial-cluster-state=new")
+            .arg("--heartbeat-interval=50")
+            .arg("--election-timeout=500")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .ok()?;
-        let etcd = Etcd {
-            _dir: dir,
-            endpoint: client,
-            process,
-        };
-        let healthy = wait_until(Duration::from_secs(20), || {
-            etcd.ctl()
-                .args(["endpoint", "health"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success())
-        });
-        assert!(
-            healthy,
-            "private etcd at {} never became healthy",
-            etcd.endpoint
-        );
-        Some(etcd)
+            .expect("etcd is installed (.ci/run installs etcd-server)");
+        self.members[i].process = Some(process);
     }
 
-    /// `etcdctl` pointed at this server (API v3).
+    fn healthy(&self) -> bool {
+        self.ctl()
+            .args(["endpoint", "health"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    /// Every member, as the guard's `--url`.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.client_port))
+            .collect();
+        format!("etcd://{}", hosts.join(","))
+    }
+
+    pub fn client_port(&self, i: usize) -> u16 {
+        self.members[i].client_port
+    }
+
+    /// `etcdctl` pointed at the members still running (API v3).
     pub fn ctl(&self) -> Command {
+        let endpoints: Vec<String> = self
+            .members
+            .iter()
+            .filter(|m| m.process.is_some())
+            .map(|m| format!("http://127.0.0.1:{}", m.client_port))
+            .collect();
         let mut cmd = Command::new("etcdctl");
         cmd.env("ETCDCTL_API", "3")
-            .arg(format!("--endpoints={}", self.endpoint));
+            .arg(format!("--endpoints={}", endpoints.join(",")));
         cmd
     }
+
+    /// The index of the member that leads the cluster now.
+    pub fn leader(&self) -> usize {
+        let mut found = None;
+        wait_until(Duration::from_secs(10), || {
+            found = self.members.iter().position(|m| {
+                m.process.is_some()
+                    && Command::new("etcdctl")
+                        .env("ETCDCTL_API", "3")
+                        .arg(format!("--endpoints=http://127.0.0.1:{}", m.client_port))
+                        .args(["endpoint", "status", "-w", "fields"])
+                        .output()
+                        .is_ok_and(|out| leader_is_self(&String::from_utf8_lossy(&out.stdout)))
+            });
+            found.is_some()
+        });
+        found.expect("the cluster has a leader")
+    }
+
+    /// SIGKILLs member `i`.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut process) = self.members[i].process.take() {
+            let _ = process.kill();
+            let _ = process.wait();
+        }
+    }
+
+    /// Sends `signal` to member `i` (SIGSTOP, SIGCONT).
+    pub fn signal(&self, i: usize, signal: i32) {
+        let process = self.members[i].process.as_ref().expect("member runs");
+        send(process.id() as i32, signal);
+    }
+}
+
+/// Whether `etcdctl endpoint status -w fields` describes the member that leads.
+fn leader_is_self(fields: &str) -> bool {
+    let value = |key: &str| {
+        fields
+            .lines()
+            .find_map(|line| line.strip_prefix(&format!("\"{key}\" : ")))
+            .map(str::trim)
+            .map(str::to_owned)
+    };
+    value("MemberID").is_some() && value("MemberID") == value("Leader")
 }
 
 impl Drop for Etcd {
     fn drop(&mut self) {
-        let _ = self.process.kill();
-        let _ = self.process.wait();
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
     }
 }

@@ -1,0 +1,745 @@
+//! An etcd lease: a key attached to a lease that expires unless kept alive, taken with a transaction
+//! that puts it only if it does not exist.
+//!
+//! As with Redis, the safety comes from a deadline kept on the guard's monotonic clock, not from a
+//! connection: the lease is known valid until the *send* time of the last keep-alive the cluster
+//! acknowledged + ttl - drift margin (etcd starts the lease's new ttl when its leader handles the
+//! keep-alive, which is after it was sent; a new leader only extends leases). The app is told to
+//! stop grace-period before that deadline and is SIGKILLed by it, whatever the cluster says.
+//!
+//! Every renewal also proves, in a transaction, that the key still holds this lease and was created
+//! by this acquisition (its create revision, which is the fencing token: cluster-wide and
+//! monotonic); anything else is a lost lock. The lock record (`<prefix>/record/<name>`) is written
+//! in the same transaction as each acquisition, release and farewell, so the next holder knows
+//! whether the old app's tree is gone; etcd commits through its quorum, so the record survives a
+//! failover. A standby watches the key's deletion rather than polling.
+
+mod http;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde_json::{json, Value};
+use tokio::time::{timeout, Instant};
+use tracing::{debug, info, warn};
+
+use self::http::{base64, int, text, CallError, Client};
+use super::farewell::{Server, SessionFarewell};
+use super::watched::{WatchedLock, WatcherEnds};
+use super::{
+    Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, Held, HeldLock, HolderInfo,
+    LockError, LockLoss, LockRequest, LossReason, Observer, WindowStore,
+};
+use crate::config::{EtcdTarget, LockName, Target, Timings};
+use crate::deadline::{self, Deadline};
+use crate::handoff::Farewell;
+use crate::holder::Holder;
+use crate::record::{Previous, RecordFacts, RecordState};
+use crate::vocab::CheckOutcome;
+
+/// The longest a standby sleeps between attempts when its watch did not report the key's deletion.
+const MAX_POLL: Duration = Duration::from_secs(2);
+/// Before the first answer, a failed attempt is tried again after this pause until connect-timeout.
+const ACQUIRE_RETRY_PAUSE: Duration = Duration::from_millis(100);
+/// A renewal that failed is tried again after at most this.
+const MAX_RETRY_INTERVAL: Duration = Duration::from_millis(250);
+
+/// The keys of one lock.
+#[derive(Clone)]
+struct Keys {
+    lock: String,
+    record: String,
+}
+
+impl Keys {
+    fn of(target: &EtcdTarget, name: &LockName) -> Keys {
+        Keys {
+            lock: target.lock_key(name.as_str()),
+            record: target.record_key(name.as_str()),
+        }
+    }
+}
+
+/// The lock record's value: `<state> <token> <bound ms> <holder id>`. A held record's token is the
+/// record's own mod revision (written in the acquisition's transaction, so equal to the key's create
+/// revision), which the transaction cannot know before it commits.
+fn record_value(state: RecordState, token: i64, bound: Duration, holder_id: &str) -> String {
+    format!(
+        "{} {token} {} {holder_id}",
+        state.as_str(),
+        bound.as_millis()
+    )
+}
+
+/// What a record says of the previous holder; `None` when it is not one this program writes.
+fn parse_record(kv: &Value) -> Option<(RecordState, i64, Duration)> {
+    let value = text(&kv["value"]);
+    let mut words = value.split(' ');
+    let state = RecordState::parse(words.next()?)?;
+    let token = words.next()?.parse::<i64>().ok()?;
+    let bound = Duration::from_millis(words.next()?.parse().ok()?);
+    let token = if state == RecordState::Held {
+        int(&kv["mod_revision"])
+    } else {
+        token
+    };
+    Some((state, token, bound))
+}
+
+fn bound(timings: &Timings) -> Duration {
+    timings.ttl + timings.grace_period
+}
+
+/// The ttl etcd is asked for: whole seconds, rounded up, so the server's lease is never shorter than
+/// the one the guard counts.
+fn ttl_secs(timings: &Timings) -> u64 {
+    timings.ttl.as_secs() + u64::from(timings.ttl.subsec_nanos() > 0)
+}
+
+fn lock_error(target: &EtcdTarget, e: CallError) -> LockError {
+    let message = target.url.scrub(&e);
+    match e {
+        CallError::Refused(_) => LockError::Refused(format!("{}: {message}", target.url)),
+        CallError::Unreachable(_) | CallError::Silent(_) | CallError::Failed(_) => {
+            LockError::Unreachable(format!("{}: {message}", target.url))
+        }
+    }
+}
+
+fn compare_ours(keys: &Keys, lease: i64, fence: i64) -> Value {
+    json!([
+        { "key": base64(&keys.lock), "target": "CREATE", "result": "EQUAL", "create_revision": fence.to_string() },
+        { "key": base64(&keys.lock), "target": "LEASE", "result": "EQUAL", "lease": lease.to_string() },
+    ])
+}
+
+/// Keeps lease `id` alive: its ttl as the cluster now counts it; 0 once it has expired or was revoked.
+async fn keep_alive(client: &mut Client, id: i64, limit: Duration) -> Result<i64, CallError> {
+    let answer = client
+        .call(
+            "/v3/lease/keepalive",
+            &json!({ "ID": id.to_string() }),
+            limit,
+        )
+        .await?;
+    Ok(int(&answer["TTL"]))
+}
+
+enum Attempt {
+    Won {
+        lease: i64,
+        sent: Deadline,
+        fence: i64,
+        previous: Previous,
+    },
+    Held {
+        holder: HolderInfo,
+        /// The revision the key was found held at: the watch for its deletion starts after it.
+        revision: i64,
+    },
+}
+
+/// A lease the acquisition has drawn, and the send time of the request that last granted or renewed it.
+struct Drawn {
+    id: i64,
+    sent: Deadline,
+}
+
+pub async fn acquire(
+    target: &EtcdTarget,
+    request: &LockRequest<'_>,
+) -> Result<Acquisition, LockError> {
+    let timings = *request.timings;
+    let patience = request.patience;
+    let keys = Keys::of(target, request.name);
+    let mut client = Client::new(target).map_err(|e| lock_error(target, e))?;
+    let mut drawn = None;
+    let fail_closed_at = Instant::now() + timings.connect_timeout;
+    let mut answered = false;
+    let (mut contention, mut backoff) = (Contention::new(&**request.observer), Backoff::new());
+    loop {
+        let error = match attempt(&mut client, &mut drawn, &keys, request).await {
+            Ok(Attempt::Won {
+                lease,
+                sent,
+                fence,
+                previous,
+            }) => {
+                info!(
+                    event = "lock_acquired",
+                    fencing_token = fence,
+                    key = %keys.lock,
+                    lease = lease,
+                    member = %client.member(),
+                    ttl = %humantime::format_duration(timings.ttl),
+                    previous = %previous.reason(),
+                    "etcd lease acquired"
+                );
+                let farewell = SessionFarewell {
+                    server: Server::Etcd,
+                    url: target.secret.clone(),
+                    session_id: lease as u64,
+                    name: request.name.as_str().to_owned(),
+                    holder_id: request.holder.id.clone(),
+                    timeout: timings.connect_timeout + timings.check_timeout,
+                    ca_file: target.ca.as_ref().map(|ca| ca.path.clone()),
+                };
+                let renewal = Renewal {
+                    target: target.clone(),
+                    client,
+                    keys,
+                    lease,
+                    fence,
+                    holder_id: request.holder.id.clone(),
+                    timings,
+                    valid_until: sent + timings.lease_validity(),
+                    observer: Arc::clone(request.observer),
+                };
+                return Ok(Acquisition::Acquired(HeldLock::new(EtcdLock {
+                    fence,
+                    previous,
+                    farewell: farewell.encode(),
+                    watched: WatchedLock::spawn(renewal.valid_until, |ends| {
+                        renewal.run(sent, ends)
+                    }),
+                })));
+            }
+            Ok(Attempt::Held { holder, revision }) => {
+                if patience.exhausted() {
+                    if let Some(drawn) = drawn {
+                        revoke(&mut client, drawn.id, timings.check_timeout).await;
+                    }
+                    return Ok(contention.give_up(holder));
+                }
+                answered = true;
+                backoff.reset();
+                if contention.log_due() {
+                    contention.waiting(&holder);
+                }
+                wait_for_deletion(
+                    &mut client,
+                    &keys,
+                    revision,
+                    patience.cap(MAX_POLL),
+                    &timings,
+                )
+                .await;
+                continue;
+            }
+            Err(error) => lock_error(target, error),
+        };
+        if matches!(error, LockError::Refused(_)) {
+            return Err(error);
+        }
+        if answered {
+            if patience.exhausted() {
+                return Err(error);
+            }
+            backoff.pause(&error, patience).await;
+        } else {
+            // Before the first answer the guard fails closed; an attempt whose answer was lost is
+            // safe to make again (a key found held by our own lease is ours).
+            if Instant::now() + ACQUIRE_RETRY_PAUSE >= fail_closed_at {
+                return Err(error);
+            }
+            debug!(error = %error, "etcd acquisition attempt failed; retrying");
+            tokio::time::sleep(ACQUIRE_RETRY_PAUSE).await;
+        }
+    }
+}
+
+/// A lease that has a renew-interval's time to live left at least: the one drawn before if a
+/// keep-alive says it still lives, else a new one.
+async fn fresh_lease(
+    client: &mut Client,
+    drawn: &mut Option<Drawn>,
+    timings: &Timings,
+    limit: Duration,
+) -> Result<(i64, Deadline), CallError> {
+    if let Some(lease) = drawn.as_mut() {
+        if lease.sent.elapsed() < timings.renew_interval {
+            return Ok((lease.id, lease.sent));
+        }
+        let sent = Deadline::now();
+        if keep_alive(client, lease.id, limit).await? > 0 {
+            lease.sent = sent;
+            return Ok((lease.id, sent));
+        }
+    }
+    let sent = Deadline::now();
+    let answer = client
+        .call(
+            "/v3/lease/grant",
+            &json!({ "TTL": ttl_secs(timings).to_string() }),
+            limit,
+        )
+        .await?;
+    let id = int(&answer["ID"]);
+    if id == 0 {
+        return Err(CallError::Failed(format!(
+            "the cluster granted no lease: {}",
+            answer["error"].as_str().unwrap_or("no reason given")
+        )));
+    }
+    *drawn = Some(Drawn { id, sent });
+    Ok((id, sent))
+}
+
+async fn attempt(
+    client: &mut Client,
+    drawn: &mut Option<Drawn>,
+    keys: &Keys,
+    request: &LockRequest<'_>,
+) -> Result<Attempt, CallError> {
+    let timings = request.timings;
+    let limit = timings.connect_timeout.max(timings.check_timeout);
+    let (lease, sent) = fresh_lease(client, drawn, timings, limit).await?;
+    let held = record_value(RecordState::Held, 0, bound(timings), &request.holder.id);
+    let txn = json!({
+        "compare": [{ "key": base64(&keys.lock), "target": "CREATE", "result": "EQUAL", "create_revision": "0" }],
+        "success": [
+            { "request_range": { "key": base64(&keys.record) } },
+            { "request_put": { "key": base64(&keys.lock), "value": base64(&request.holder.to_string()), "lease": lease.to_string() } },
+            { "request_put": { "key": base64(&keys.record), "value": base64(&held) } },
+        ],
+        "failure": [{ "request_range": { "key": base64(&keys.lock) } }],
+    });
+    let answer = client.call("/v3/kv/txn", &txn, limit).await?;
+    let revision = int(&answer["header"]["revision"]);
+    let first = &answer["responses"][0]["response_range"]["kvs"][0];
+    if answer["succeeded"].as_bool() == Some(true) {
+        let previous = match parse_record(first) {
+            None if first.is_null() => Previous::Gone("first_holder"),
+            None => Previous::MayRun {
+                bound: bound(timings),
+                why: "no_record",
+            },
+            Some((state, _, recorded)) => Previous::from_record(state, recorded),
+        };
+        // A put may attach the key to a lease that expired between the grant and the put (etcd
+        // issue 11456): the lease must still live after the grant.
+        let ttl = client
+            .call(
+                "/v3/lease/timetolive",
+                &json!({ "ID": lease.to_string() }),
+                limit,
+            )
+            .await?;
+        if int(&ttl["TTL"]) <= 0 {
+            *drawn = None;
+            let txn = json!({ "compare": compare_ours(keys, lease, revision), "success": [{ "request_delete_range": { "key": base64(&keys.lock) } }] });
+            let _ = client.call("/v3/kv/txn", &txn, limit).await;
+            return Err(CallError::Failed(
+                "the lease expired as the key was put; trying again".to_owned(),
+            ));
+        }
+        return Ok(Attempt::Won {
+            lease,
+            sent,
+            fence: revision,
+            previous,
+        });
+    }
+    // Our own put, whose answer was lost: the record it found is gone with that answer.
+    if int(&first["lease"]) == lease {
+        return Ok(Attempt::Won {
+            lease,
+            sent,
+            fence: int(&first["create_revision"]),
+            previous: Previous::MayRun {
+                bound: bound(timings),
+                why: "no_record",
+            },
+        });
+    }
+    Ok(Attempt::Held {
+        holder: holder_of(first),
+        revision,
+    })
+}
+
+fn holder_of(kv: &Value) -> HolderInfo {
+    if kv.is_null() {
+        return HolderInfo::default().with("holder", "unknown (released while being looked up)");
+    }
+    HolderInfo::default()
+        .with("fencing_token", int(&kv["create_revision"]))
+        .with_guard(Holder::parse(&text(&kv["value"])))
+}
+
+/// Sleeps for `nap`, or less if the key is deleted after `revision`. A watch that cannot be opened
+/// leaves a plain sleep.
+async fn wait_for_deletion(
+    client: &mut Client,
+    keys: &Keys,
+    revision: i64,
+    nap: Duration,
+    timings: &Timings,
+) {
+    let until = Instant::now() + nap;
+    let opened = client
+        .watch(&keys.lock, revision + 1, timings.connect_timeout.min(nap))
+        .await;
+    match opened {
+        Ok(mut watch) => {
+            let _ = tokio::time::timeout_at(until, watch.deleted()).await;
+        }
+        Err(e) => {
+            debug!(error = %e, "cannot watch the lock key; polling");
+            tokio::time::sleep_until(until).await;
+        }
+    }
+}
+
+async fn revoke(client: &mut Client, lease: i64, limit: Duration) {
+    let revoked = client
+        .call(
+            "/v3/lease/revoke",
+            &json!({ "ID": lease.to_string() }),
+            limit,
+        )
+        .await;
+    if let Err(e) = revoked {
+        debug!(error = %e, "the lease could not be revoked; it expires within ttl");
+    }
+}
+
+/// Who holds `name` now, without taking it.
+pub async fn status(
+    target: &EtcdTarget,
+    name: &LockName,
+    connect: Duration,
+    answer: Duration,
+) -> Result<Option<HolderInfo>, LockError> {
+    let keys = Keys::of(target, name);
+    let mut client = Client::new(target).map_err(|e| lock_error(target, e))?;
+    let limit = connect + answer;
+    let found = client
+        .call("/v3/kv/range", &json!({ "key": base64(&keys.lock) }), limit)
+        .await
+        .map_err(|e| lock_error(target, e))?;
+    let kv = &found["kvs"][0];
+    if kv.is_null() {
+        return Ok(None);
+    }
+    let ttl = client
+        .call("/v3/lease/timetolive", &json!({ "ID": kv["lease"] }), limit)
+        .await
+        .map_err(|e| lock_error(target, e))?;
+    let remaining = Duration::from_secs(int(&ttl["TTL"]).max(0) as u64);
+    Ok(Some(holder_of(kv).with(
+        "ttl_remaining",
+        humantime::format_duration(remaining),
+    )))
+}
+
+/// The lock's record, without taking the lock.
+pub async fn last_record(
+    target: &EtcdTarget,
+    name: &LockName,
+    connect: Duration,
+    answer: Duration,
+) -> Result<Option<RecordFacts>, LockError> {
+    let keys = Keys::of(target, name);
+    let mut client = Client::new(target).map_err(|e| lock_error(target, e))?;
+    let found = client
+        .call(
+            "/v3/kv/range",
+            &json!({ "key": base64(&keys.record) }),
+            connect + answer,
+        )
+        .await
+        .map_err(|e| lock_error(target, e))?;
+    Ok(
+        parse_record(&found["kvs"][0]).map(|(state, token, _)| RecordFacts {
+            state,
+            token: token.max(0) as u64,
+        }),
+    )
+}
+
+/// Why scheduled runs are refused on etcd (`config::schedule` says so at start-up).
+const NO_CLOCK: &str = "scheduled runs need the backend's clock, and etcd has none";
+
+/// A held lease, kept alive by a renewal task.
+pub struct EtcdLock {
+    fence: i64,
+    previous: Previous,
+    farewell: Vec<u8>,
+    watched: WatchedLock,
+}
+
+#[async_trait]
+impl Held for EtcdLock {
+    fn previous(&self) -> Previous {
+        self.previous
+    }
+
+    fn fencing_token(&self) -> Option<String> {
+        Some(self.fence.to_string())
+    }
+
+    /// etcd commits the release record through its quorum: it survives a failover.
+    fn released_cleanly(&self) -> bool {
+        self.previous == Previous::Gone("released")
+    }
+
+    fn app_deadline(&self) -> Option<tokio::sync::watch::Receiver<Deadline>> {
+        Some(self.watched.app_deadline())
+    }
+
+    /// The lease, revoked once the app's tree is gone: a standby takes over at once, not at the
+    /// lease's end.
+    fn farewell(&self) -> Farewell<'_> {
+        Farewell {
+            message: self.farewell.clone(),
+            keep: None,
+        }
+    }
+
+    fn reported_loss(&self) -> Option<LockLoss> {
+        self.watched.reported_loss()
+    }
+
+    async fn lost(&mut self) -> LockLoss {
+        self.watched.lost().await
+    }
+
+    /// Nothing to prepare: the release is one transaction on the renewal's connection.
+    fn release_coming(&self) {}
+
+    async fn give_back(self: Box<Self>) -> Result<(), LockError> {
+        self.watched.release().await
+    }
+}
+
+#[async_trait]
+impl WindowStore for EtcdLock {
+    async fn claim(&mut self, _request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
+        Err(LockError::Refused(NO_CLOCK.to_owned()))
+    }
+
+    async fn record_end(
+        &mut self,
+        _request: &ClaimRequest<'_>,
+        _exit_code: u8,
+    ) -> Result<(), LockError> {
+        Err(LockError::Refused(NO_CLOCK.to_owned()))
+    }
+}
+
+/// The renewal task of a held lease.
+struct Renewal {
+    target: EtcdTarget,
+    client: Client,
+    keys: Keys,
+    lease: i64,
+    fence: i64,
+    holder_id: String,
+    timings: Timings,
+    /// Send time of the last acknowledged keep-alive + ttl - drift margin.
+    valid_until: Deadline,
+    observer: Arc<dyn Observer>,
+}
+
+enum Renewed {
+    Confirmed { sent: Deadline },
+    NotOwner(&'static str),
+    Failed(String),
+}
+
+enum Step {
+    Renewed(Renewed),
+    MustStop,
+    Release,
+}
+
+impl Renewal {
+    async fn run(mut self, acquired_at: Deadline, mut ends: WatcherEnds) -> Result<(), LockError> {
+        let retry = self.timings.renew_interval.min(MAX_RETRY_INTERVAL);
+        let mut next_attempt = acquired_at + self.timings.renew_interval;
+        loop {
+            // The app needs grace-period to stop before the lease can run out.
+            let stop_at = self.valid_until.minus(self.timings.grace_period);
+            let step = tokio::select! {
+                biased;
+                _ = deadline::sleep_until(stop_at) => Step::MustStop,
+                _ = &mut ends.release => Step::Release,
+                renewed = self.renew_at(next_attempt) => Step::Renewed(renewed),
+            };
+            match step {
+                Step::Renewed(Renewed::Confirmed { sent }) => {
+                    self.valid_until = sent + self.timings.lease_validity();
+                    ends.app_dead_by(self.valid_until);
+                    next_attempt = sent + self.timings.renew_interval;
+                    debug!("etcd lease renewed");
+                }
+                Step::Renewed(Renewed::NotOwner(detail)) => {
+                    ends.report(LockLoss {
+                        reason: LossReason::NotOwner,
+                        detail: format!("{}: {detail}", self.keys.lock),
+                    });
+                    return Ok(());
+                }
+                Step::Renewed(Renewed::Failed(error)) => {
+                    let left = self.valid_until.remaining();
+                    warn!(event = "renewal_failed", error = %error, member = %self.client.member(), lease_left = %humantime::format_duration(round(left)), "etcd lease renewal failed; retrying");
+                    next_attempt = Deadline::after(retry);
+                }
+                Step::MustStop => {
+                    ends.report(LockLoss {
+                        reason: LossReason::LeaseExpiring,
+                        detail: format!(
+                            "no keep-alive acknowledged in time; the lease may run out in {}",
+                            humantime::format_duration(round(self.valid_until.remaining()))
+                        ),
+                    });
+                    return Ok(());
+                }
+                Step::Release => return self.release().await,
+            }
+        }
+    }
+
+    /// A keep-alive, then the proof that the key still holds this lease from this acquisition.
+    async fn renew_at(&mut self, at: Deadline) -> Renewed {
+        deadline::sleep_until(at).await;
+        let sent = Deadline::now();
+        let limit = self.timings.check_timeout;
+        let txn = json!({ "compare": compare_ours(&self.keys, self.lease, self.fence) });
+        let client = &mut self.client;
+        let lease = self.lease;
+        let result = timeout(limit, async {
+            if keep_alive(client, lease, limit).await? <= 0 {
+                return Ok(Some("the lease expired or was revoked"));
+            }
+            let answer = client.call("/v3/kv/txn", &txn, limit).await?;
+            Ok::<_, CallError>(
+                (answer["succeeded"].as_bool() != Some(true))
+                    .then_some("the key is gone or holds another lease"),
+            )
+        })
+        .await
+        .unwrap_or(Err(CallError::Silent(limit)));
+        let took = sent.elapsed();
+        let outcome = match &result {
+            Ok(None) => CheckOutcome::Ok,
+            Ok(Some(_)) | Err(CallError::Refused(_) | CallError::Failed(_)) => CheckOutcome::Error,
+            Err(CallError::Silent(_) | CallError::Unreachable(_)) => CheckOutcome::Timeout,
+        };
+        self.observer.check(outcome, took);
+        match result {
+            // An acknowledgement read after check-timeout proves nothing about now: the guard may
+            // have been frozen while the lease ran out and another instance took it.
+            Ok(None) if took > limit => Renewed::Failed(format!(
+                "the keep-alive was acknowledged after {}, beyond --check-timeout",
+                humantime::format_duration(round(took))
+            )),
+            Ok(None) => Renewed::Confirmed { sent },
+            Ok(Some(detail)) => Renewed::NotOwner(detail),
+            Err(e) => Renewed::Failed(self.target.url.scrub(e)),
+        }
+    }
+
+    async fn release(mut self) -> Result<(), LockError> {
+        let limit = self.timings.check_timeout;
+        match end_lease(
+            &mut self.client,
+            &self.keys,
+            self.lease,
+            Some(self.fence),
+            RecordState::Released,
+            &self.holder_id,
+            limit,
+        )
+        .await
+        {
+            Ok(true) => {
+                info!(event = "lock_released", key = %self.keys.lock, "etcd lease released")
+            }
+            Ok(false) => {
+                warn!(event = "release_failed", key = %self.keys.lock, "etcd lease was no longer ours at release")
+            }
+            Err(e) => {
+                warn!(event = "release_failed", error = %self.target.url.scrub(e), "etcd lease release failed; it expires within ttl")
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Deletes the key and writes the record in `state`, only if the key still holds `lease` (and, when
+/// known, was created at `fence`); then revokes the lease. Whether the key was ours.
+async fn end_lease(
+    client: &mut Client,
+    keys: &Keys,
+    lease: i64,
+    fence: Option<i64>,
+    state: RecordState,
+    holder_id: &str,
+    limit: Duration,
+) -> Result<bool, CallError> {
+    let lease_is_ours = json!({ "key": base64(&keys.lock), "target": "LEASE", "result": "EQUAL", "lease": lease.to_string() });
+    let compare = match fence {
+        Some(fence) => compare_ours(keys, lease, fence),
+        None => json!([lease_is_ours]),
+    };
+    // The record's token: the key's create revision, read in the same transaction when not known.
+    let txn = json!({
+        "compare": compare,
+        "success": [{ "request_range": { "key": base64(&keys.lock) } }],
+    });
+    let found = client.call("/v3/kv/txn", &txn, limit).await?;
+    let ours = found["succeeded"].as_bool() == Some(true);
+    if ours {
+        let token = int(&found["responses"][0]["response_range"]["kvs"][0]["create_revision"]);
+        let record = record_value(state, token, Duration::ZERO, holder_id);
+        let txn = json!({
+            "compare": compare_ours(keys, lease, token),
+            "success": [
+                { "request_delete_range": { "key": base64(&keys.lock) } },
+                { "request_put": { "key": base64(&keys.record), "value": base64(&record) } },
+            ],
+        });
+        client.call("/v3/kv/txn", &txn, limit).await?;
+    }
+    revoke(client, lease, limit).await;
+    Ok(ours)
+}
+
+/// The watchdog's farewell for a guard that died holding the lease: once the app's tree is gone, the
+/// record says so and the lease is revoked, if the key still holds it.
+pub fn end_session(farewell: &SessionFarewell) -> Result<String, String> {
+    let target = match farewell.target()? {
+        Target::Etcd(target) => target,
+        _ => return Err("not an etcd:// URL".to_owned()),
+    };
+    let name = LockName::parse(&farewell.name).map_err(|e| e.to_string())?;
+    let keys = Keys::of(&target, &name);
+    let lease = farewell.session_id as i64;
+    farewell.on_runtime(async {
+        let mut client = Client::new(&target).map_err(|e| target.url.scrub(e))?;
+        let ours = end_lease(
+            &mut client,
+            &keys,
+            lease,
+            None,
+            RecordState::TreeGone,
+            &farewell.holder_id,
+            farewell.timeout,
+        )
+        .await
+        .map_err(|e| target.url.scrub(e))?;
+        Ok(if ours {
+            format!("revoked lease {lease:x}")
+        } else {
+            format!("lease {lease:x} no longer held the lock; revoked it")
+        })
+    })
+}
+
+/// Durations in logs, to the millisecond.
+fn round(d: Duration) -> Duration {
+    Duration::from_millis(d.as_millis().try_into().unwrap_or(u64::MAX))
+}
