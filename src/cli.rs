@@ -105,11 +105,11 @@ pub struct Cli {
     #[arg(long, env = "SENTINEL_GUARD_CHECK_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub check_interval: Duration,
 
-    /// Redis lease duration; a lease not renewed for this long expires (at most 1d)
+    /// Redis or etcd lease duration; a lease not renewed for this long expires (at most 1d)
     #[arg(long, env = "SENTINEL_GUARD_TTL", default_value = "30s", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub ttl: Duration,
 
-    /// How often the Redis lease is renewed, at most 1d [default: ttl/3]
+    /// How often the Redis or etcd lease is renewed, at most 1d [default: ttl/3]
     #[arg(long, env = "SENTINEL_GUARD_RENEW_INTERVAL", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub renew_interval: Option<Duration>,
 
@@ -197,7 +197,7 @@ pub struct Cli {
 /// Where the lock lives and how long to wait for it to answer: shared by the guard and `status`.
 #[derive(Debug, Args)]
 pub struct LockArgs {
-    /// Lock backend URL: mysql://user:pass@host:port/db, postgres://user:pass@host:port/db[?sslmode=...], redis[s]://[user:pass@]host:port[/db] or file:///abs/path.lock
+    /// Lock backend URL: mysql://user:pass@host:port/db, postgres://user:pass@host:port/db[?sslmode=...], redis[s]://[user:pass@]host:port[/db], etcd[s]://[user:pass@]host1:2379[,host2:2379,...][/prefix] or file:///abs/path.lock
     #[arg(
         short = 'u',
         long,

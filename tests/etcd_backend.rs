@@ -11,20 +11,6 @@ use common::*;
 
 const SIGSTOP: i32 = 19;
 
-/// ttl 4s - drift margin 140ms - grace 1s = 2.86s >= renew 500ms + check-timeout 1s.
-const ETCD_LEASE: &[&str] = &[
-    "--ttl",
-    "4s",
-    "--renew-interval",
-    "500ms",
-    "--check-timeout",
-    "1s",
-    "--grace-period",
-    "1s",
-    "--connect-timeout",
-    "2s",
-];
-
 /// After a fault at `t`, the last acknowledged keep-alive was sent no earlier than `t - 550ms`, so
 /// the cluster cannot expire the lease before `t + 4s - 550ms`; the guard stops the app by
 /// `t + 2.86s`.
@@ -343,4 +329,31 @@ fn an_unreachable_cluster_fails_closed_with_exit_69() {
     );
     assert_eq!(code, 69, "{log}");
     assert!(!marker.exists());
+}
+
+#[test]
+fn authentication_works_and_a_wrong_password_exits_69_unprinted() {
+    let mut etcd = Etcd::cluster(1);
+    etcd.enable_auth("r00tpw", "guard", "s3cretpw", "sentinel-guard/");
+    let mut lab = Lab::new();
+    let port = etcd.client_port(0);
+    let url = format!("etcd://guard:s3cretpw@127.0.0.1:{port}");
+    let (mut guard, _) = leader(&mut lab, &url, "authed");
+    let log = guard.log_text();
+    assert!(log.contains("etcd lease acquired"), "{log}");
+    assert!(!log.contains("s3cretpw"), "password leaked: {log}");
+    guard.signal(15);
+    assert_eq!(
+        guard.code(Duration::from_secs(5)),
+        0,
+        "{}",
+        guard.log_text()
+    );
+    assert!(!guard.log_text().contains("s3cretpw"));
+    assert_wrong_password_exits_69_unprinted(
+        &format!("etcd://guard:wr0ngpw@127.0.0.1:{port}"),
+        "wr0ngpw",
+        "s3cretpw",
+        "authentication failed",
+    );
 }

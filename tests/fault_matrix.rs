@@ -13,6 +13,7 @@ use std::fs;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use common::etcd::Etcd;
 use common::freeze::Freezer;
 use common::mariadb::MariaDb;
 use common::postgres::Postgres;
@@ -26,6 +27,7 @@ enum Kind {
     Postgres,
     Redis,
     File,
+    Etcd,
 }
 
 impl Kind {
@@ -35,6 +37,7 @@ impl Kind {
             Kind::Postgres => Backend::Postgres(Postgres::start()),
             Kind::Redis => Backend::Redis(Redis::start()),
             Kind::File => Backend::File(Lab::new()),
+            Kind::Etcd => Backend::Etcd(Etcd::cluster(3)),
         }
     }
 }
@@ -72,6 +75,7 @@ fn port_of(backend: &Backend) -> u16 {
         Backend::Mysql(db) => db.port,
         Backend::Postgres(db) => db.port,
         Backend::Redis(redis) => redis.port,
+        Backend::Etcd(etcd) => etcd.client_port(0),
         Backend::File(_) => unreachable!("no server"),
     }
 }
@@ -81,6 +85,7 @@ fn url_via(backend: &Backend, port: u16) -> String {
         Backend::Mysql(db) => db.url_with_port(port),
         Backend::Postgres(db) => db.url_with_port(port),
         Backend::Redis(_) => format!("redis://127.0.0.1:{port}"),
+        Backend::Etcd(_) => format!("etcd://127.0.0.1:{port}"),
         Backend::File(_) => unreachable!("no server"),
     }
 }
@@ -91,6 +96,7 @@ fn signal_server(backend: &Backend, signal: i32) {
         Backend::Mysql(db) => send(db.pid(), signal),
         Backend::Postgres(db) => db.signal_all(signal),
         Backend::Redis(redis) => send(redis.pid(), signal),
+        Backend::Etcd(etcd) => etcd.signal_all(signal),
         Backend::File(_) => unreachable!("no server"),
     }
 }
@@ -195,14 +201,14 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
             Backend::Mysql(db) => db.kill9(),
             Backend::Postgres(db) => db.kill9(),
             Backend::Redis(redis) => redis.kill9(),
-            Backend::File(_) => unreachable!(),
+            Backend::Etcd(_) | Backend::File(_) => unreachable!(),
         },
         Fault::ServerFreeze => signal_server(&backend, 19),
         Fault::ServerRestart | Fault::StaleSnapshot => match &mut backend {
             Backend::Mysql(db) => db.restart(),
             Backend::Postgres(db) => db.restart(),
             Backend::Redis(redis) => redis.restart(),
-            Backend::File(_) => unreachable!(),
+            Backend::Etcd(_) | Backend::File(_) => unreachable!(),
         },
         Fault::ConnectionKill => match &backend {
             Backend::Mysql(db) => {
@@ -219,6 +225,14 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
                 unreachable!()
             };
             redis.cli(&["CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"]);
+        }
+        Fault::KeyDelete if kind == Kind::Etcd => {
+            let Backend::Etcd(etcd) = &backend else {
+                unreachable!()
+            };
+            let mut del = etcd.ctl();
+            del.args(["del", "sentinel-guard/lock/matrix"]);
+            must_run(del, "etcdctl del");
         }
         Fault::KeyDelete | Fault::KeyOverwrite => {
             let Backend::Redis(redis) = &backend else {
@@ -279,7 +293,7 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
             Backend::Mysql(db) => db.restart(),
             Backend::Postgres(db) => db.restart(),
             Backend::Redis(redis) => redis.restart(),
-            Backend::File(_) => unreachable!(),
+            Backend::Etcd(_) | Backend::File(_) => unreachable!(),
         },
         _ => {}
     }
@@ -365,11 +379,17 @@ fn ms(d: Duration) -> String {
     format!("{}ms", d.as_millis())
 }
 
-/// Runs the rounds for each backend and records the row: `| fault | mysql | postgres | redis | file |`, each
+/// Runs the rounds for each backend and records the row: `| fault | mysql | postgres | redis | file | etcd |`, each
 /// cell `overlaps/orphans, detect, takeover`.
 fn row(fault: Fault, label: &str, cells: &[(Kind, Expect)]) {
     let mut columns = Vec::new();
-    for kind in [Kind::Mysql, Kind::Postgres, Kind::Redis, Kind::File] {
+    for kind in [
+        Kind::Mysql,
+        Kind::Postgres,
+        Kind::Redis,
+        Kind::File,
+        Kind::Etcd,
+    ] {
         let Some((_, expect)) = cells.iter().find(|(k, _)| *k == kind) else {
             columns.push("n/a".to_owned());
             continue;
@@ -405,6 +425,7 @@ fn guard_sigkill() {
             (Kind::Postgres, STOPS_AND_HANDS_OVER),
             (Kind::Redis, STOPS_AND_HANDS_OVER),
             (Kind::File, STOPS_AND_HANDS_OVER),
+            (Kind::Etcd, STOPS_AND_HANDS_OVER),
         ],
     );
 }
@@ -419,6 +440,7 @@ fn guard_frozen() {
             (Kind::Mysql, STOPS_AND_HANDS_OVER),
             (Kind::Postgres, STOPS_AND_HANDS_OVER),
             (Kind::Redis, STOPS_AND_HANDS_OVER),
+            (Kind::Etcd, STOPS_AND_HANDS_OVER),
         ],
     );
 }
@@ -434,6 +456,7 @@ fn whole_tree_frozen() {
             (Kind::Mysql, STOPS_AND_HANDS_OVER),
             (Kind::Postgres, STOPS_AND_HANDS_OVER),
             (Kind::Redis, STOPS_AND_HANDS_OVER),
+            (Kind::Etcd, STOPS_AND_HANDS_OVER),
         ],
     );
 }
@@ -460,6 +483,7 @@ fn server_frozen_then_resumed() {
             (Kind::Mysql, STOPS_AND_HANDS_OVER),
             (Kind::Postgres, STOPS_AND_HANDS_OVER),
             (Kind::Redis, STOPS_AND_HANDS_OVER),
+            (Kind::Etcd, STOPS_AND_HANDS_OVER),
         ],
     );
 }
@@ -520,8 +544,11 @@ fn client_kill() {
 fn key_deleted() {
     row(
         Fault::KeyDelete,
-        "key `DEL`",
-        &[(Kind::Redis, STOPS_AND_HANDS_OVER)],
+        "key `DEL` (etcd: `etcdctl del`)",
+        &[
+            (Kind::Redis, STOPS_AND_HANDS_OVER),
+            (Kind::Etcd, STOPS_AND_HANDS_OVER),
+        ],
     );
 }
 
@@ -568,6 +595,7 @@ fn network_partition() {
             (Kind::Mysql, STOPS_AND_HANDS_OVER),
             (Kind::Postgres, STOPS_AND_HANDS_OVER),
             (Kind::Redis, STOPS_AND_HANDS_OVER),
+            (Kind::Etcd, STOPS_AND_HANDS_OVER),
         ],
     );
 }

@@ -19,6 +19,8 @@ pub struct Etcd {
     dir: TempDir,
     members: Vec<Member>,
     initial_cluster: String,
+    /// `root:password` once authentication is on.
+    root: Option<String>,
 }
 
 impl Etcd {
@@ -48,6 +50,7 @@ impl Etcd {
             dir: tempfile::tempdir().unwrap(),
             members,
             initial_cluster,
+            root: None,
         };
         for i in 0..size {
             etcd.launch(i);
@@ -119,6 +122,9 @@ impl Etcd {
         let mut cmd = Command::new("etcdctl");
         cmd.env("ETCDCTL_API", "3")
             .arg(format!("--endpoints={}", endpoints.join(",")));
+        if let Some(root) = &self.root {
+            cmd.arg(format!("--user={root}"));
+        }
         cmd
     }
 
@@ -140,18 +146,43 @@ impl Etcd {
         found.expect("the cluster has a leader")
     }
 
+    /// Turns on authentication: `root` (password `root_password`) and `user`, whose role may read and
+    /// write the keys under `prefix`. `etcdctl` is root from then on.
+    pub fn enable_auth(&mut self, root_password: &str, user: &str, password: &str, prefix: &str) {
+        let run = |args: &[&str]| {
+            let mut cmd = self.ctl();
+            cmd.args(args).stdout(Stdio::null());
+            super::must_run(cmd, &format!("etcdctl {}", args.join(" ")));
+        };
+        run(&["user", "add", &format!("root:{root_password}")]);
+        run(&["user", "add", &format!("{user}:{password}")]);
+        run(&["role", "add", user]);
+        run(&[
+            "role",
+            "grant-permission",
+            user,
+            "readwrite",
+            "--prefix=true",
+            prefix,
+        ]);
+        run(&["user", "grant-role", user, user]);
+        run(&["auth", "enable"]);
+        self.root = Some(format!("root:{root_password}"));
+    }
+
+    /// Sends `signal` to every member still running.
+    pub fn signal_all(&self, signal: i32) {
+        for member in self.members.iter().filter_map(|m| m.process.as_ref()) {
+            send(member.id() as i32, signal);
+        }
+    }
+
     /// SIGKILLs member `i`.
     pub fn kill(&mut self, i: usize) {
         if let Some(mut process) = self.members[i].process.take() {
             let _ = process.kill();
             let _ = process.wait();
         }
-    }
-
-    /// Sends `signal` to member `i` (SIGSTOP, SIGCONT).
-    pub fn signal(&self, i: usize, signal: i32) {
-        let process = self.members[i].process.as_ref().expect("member runs");
-        send(process.id() as i32, signal);
     }
 }
 

@@ -69,6 +69,21 @@ pub const REDIS_LEASE: &[&str] = &[
     "1s",
 ];
 
+/// Short etcd lease timings that keep the startup rule, with room for a member's failover:
+/// ttl 4s - margin 140ms - grace 1s = 2.86s >= renew 500ms + check-timeout 1s.
+pub const ETCD_LEASE: &[&str] = &[
+    "--ttl",
+    "4s",
+    "--renew-interval",
+    "500ms",
+    "--check-timeout",
+    "1s",
+    "--grace-period",
+    "1s",
+    "--connect-timeout",
+    "2s",
+];
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -563,6 +578,8 @@ pub enum Backend {
     Mysql(mariadb::MariaDb),
     Postgres(postgres::Postgres),
     Redis(redis::Redis),
+    /// Not in `all()`: the fault matrix and `tests/etcd_backend.rs` use it.
+    Etcd(etcd::Etcd),
     File(Lab),
 }
 
@@ -581,6 +598,7 @@ impl Backend {
             Backend::Mysql(db) => db.url(),
             Backend::Postgres(db) => db.url(),
             Backend::Redis(redis) => redis.url(),
+            Backend::Etcd(etcd) => etcd.url(),
             Backend::File(lab) => lab.file_url("backend.lock"),
         }
     }
@@ -590,16 +608,17 @@ impl Backend {
             Backend::Mysql(_) => "mysql",
             Backend::Postgres(_) => "postgres",
             Backend::Redis(_) => "redis",
+            Backend::Etcd(_) => "etcd",
             Backend::File(_) => "file",
         }
     }
 
     /// Guard flags with short timings that are valid for this backend.
     pub fn fast_args(&self) -> Vec<&'static str> {
-        let mut args = FAST.to_vec();
-        if let Backend::Redis(_) = self {
-            args = fast_with(REDIS_LEASE);
+        match self {
+            Backend::Redis(_) => fast_with(REDIS_LEASE),
+            Backend::Etcd(_) => fast_with(ETCD_LEASE),
+            _ => FAST.to_vec(),
         }
-        args
     }
 }
