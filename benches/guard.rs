@@ -126,12 +126,25 @@ impl Servers {
             "mysql" => self.mysql.url(),
             "postgres" => self.postgres.url(),
             "redis" => self.redis.url(),
+            "etcd" => self.etcd.as_ref().expect("etcd is installed").url(),
             _ => self.files.file_url(&format!("bench-{}.lock", now_ns())),
         }
     }
 }
 
 const BACKENDS: [&str; 4] = ["mysql", "postgres", "redis", "file"];
+
+impl Servers {
+    /// `BACKENDS`, and etcd where it is installed: for the start-up and takeover rows, which
+    /// `etcdctl lock` runs beside on the same server.
+    fn with_etcd(&self) -> Vec<&'static str> {
+        let mut backends = BACKENDS.to_vec();
+        if self.etcd.is_some() {
+            backends.push("etcd");
+        }
+        backends
+    }
+}
 
 /// Timings for the latency scenarios: short enough that Redis events happen within seconds, and
 /// valid for every backend.
@@ -193,7 +206,7 @@ fn startup(report: &mut Report, servers: &Servers, settings: &Settings) {
     }
     report.latency("start-up: `true` alone", "-", &plain, "");
     report.latency("start-up: `flock <file> true`", "-", &flock, "");
-    for backend in BACKENDS {
+    for backend in servers.with_etcd() {
         // A start after a clean exit, as every restart of a job is: the lock record says
         // `released`, so the default `--takeover-delay auto` does not wait. The very first start of
         // a name has no record and waits its bound (13s with the defaults), once; it is run here
@@ -442,7 +455,7 @@ fn orphan_row(report: &mut Report, backend: &str, orphaned: usize, rounds: usize
 }
 
 fn takeover(report: &mut Report, servers: &Servers, settings: &Settings) {
-    for backend in BACKENDS {
+    for backend in servers.with_etcd() {
         for sigkill in [false, true] {
             let mut stats = Stats::default();
             let mut orphaned = 0;
@@ -542,7 +555,7 @@ fn etcd_takeover(report: &mut Report, servers: &Servers, settings: &Settings) {
         let _ = waiting.wait();
     }
     report.latency(scenario, "etcd (`etcdctl lock --ttl 3`)", &stats, "");
-    orphan_row(report, "etcd", orphaned, settings.rounds);
+    orphan_row(report, "etcd (`etcdctl lock`)", orphaned, settings.rounds);
 }
 
 fn proc_stat_ticks(pid: u32) -> u64 {

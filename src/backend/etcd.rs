@@ -383,7 +383,10 @@ async fn wait_for_deletion(
         .await;
     match opened {
         Ok(mut watch) => {
-            let _ = tokio::time::timeout_at(until, watch.deleted()).await;
+            // A watch that ends at once (a member shutting down) must not make a busy loop.
+            if let Ok(false) = tokio::time::timeout_at(until, watch.deleted()).await {
+                tokio::time::sleep_until(until).await;
+            }
         }
         Err(e) => {
             debug!(error = %e, "cannot watch the lock key; polling");
@@ -621,7 +624,11 @@ impl Renewal {
             )
         })
         .await
-        .unwrap_or(Err(CallError::Silent(limit)));
+        .unwrap_or_else(|_| {
+            // Cut off mid-request: the connection's state is unknown, and is never reused.
+            self.client.disconnect();
+            Err(CallError::Silent(limit))
+        });
         let took = sent.elapsed();
         let outcome = match &result {
             Ok(None) => CheckOutcome::Ok,
@@ -680,30 +687,32 @@ async fn end_lease(
     holder_id: &str,
     limit: Duration,
 ) -> Result<bool, CallError> {
-    let lease_is_ours = json!({ "key": base64(&keys.lock), "target": "LEASE", "result": "EQUAL", "lease": lease.to_string() });
-    let compare = match fence {
-        Some(fence) => compare_ours(keys, lease, fence),
-        None => json!([lease_is_ours]),
+    // The record's token: the key's create revision, read first when not known (the farewell).
+    let token = match fence {
+        Some(fence) => fence,
+        None => {
+            let txn = json!({
+                "compare": [{ "key": base64(&keys.lock), "target": "LEASE", "result": "EQUAL", "lease": lease.to_string() }],
+                "success": [{ "request_range": { "key": base64(&keys.lock) } }],
+            });
+            let found = client.call("/v3/kv/txn", &txn, limit).await?;
+            if found["succeeded"].as_bool() != Some(true) {
+                revoke(client, lease, limit).await;
+                return Ok(false);
+            }
+            int(&found["responses"][0]["response_range"]["kvs"][0]["create_revision"])
+        }
     };
-    // The record's token: the key's create revision, read in the same transaction when not known.
+    let record = record_value(state, token, Duration::ZERO, holder_id);
     let txn = json!({
-        "compare": compare,
-        "success": [{ "request_range": { "key": base64(&keys.lock) } }],
+        "compare": compare_ours(keys, lease, token),
+        "success": [
+            { "request_delete_range": { "key": base64(&keys.lock) } },
+            { "request_put": { "key": base64(&keys.record), "value": base64(&record) } },
+        ],
     });
-    let found = client.call("/v3/kv/txn", &txn, limit).await?;
-    let ours = found["succeeded"].as_bool() == Some(true);
-    if ours {
-        let token = int(&found["responses"][0]["response_range"]["kvs"][0]["create_revision"]);
-        let record = record_value(state, token, Duration::ZERO, holder_id);
-        let txn = json!({
-            "compare": compare_ours(keys, lease, token),
-            "success": [
-                { "request_delete_range": { "key": base64(&keys.lock) } },
-                { "request_put": { "key": base64(&keys.record), "value": base64(&record) } },
-            ],
-        });
-        client.call("/v3/kv/txn", &txn, limit).await?;
-    }
+    let ended = client.call("/v3/kv/txn", &txn, limit).await?;
+    let ours = ended["succeeded"].as_bool() == Some(true);
     revoke(client, lease, limit).await;
     Ok(ours)
 }

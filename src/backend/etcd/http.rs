@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use base64::Engine;
-use http_body_util::{BodyExt, Full};
+use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
 use hyper::client::conn::http1::SendRequest;
 use hyper::header::{AUTHORIZATION, CONTENT_TYPE, HOST};
@@ -25,6 +25,10 @@ use tokio::net::TcpStream;
 use tokio::time::{timeout, Instant};
 
 use crate::config::EtcdTarget;
+
+/// The largest answer read: the guard's requests name one key, whose answers are a few hundred
+/// bytes; anything far larger is not an etcd answer to them.
+const MAX_ANSWER: usize = 1 << 20;
 
 /// Why a call did not answer with a value.
 #[derive(Debug)]
@@ -108,6 +112,11 @@ impl Client {
             conn: None,
             token: None,
         })
+    }
+
+    /// Drops the connection: the next call opens a new one.
+    pub fn disconnect(&mut self) {
+        self.conn = None;
     }
 
     /// Where the client is connected, safe to print.
@@ -205,11 +214,10 @@ impl Client {
         conn.ready().await.map_err(lost)?;
         let response = conn.send_request(request).await.map_err(lost)?;
         let status = response.status();
-        let bytes = response
-            .into_body()
+        let bytes = Limited::new(response.into_body(), MAX_ANSWER)
             .collect()
             .await
-            .map_err(lost)?
+            .map_err(|e| Exchange::Next(e.to_string()))?
             .to_bytes();
         let answer: Value = serde_json::from_slice(&bytes).map_err(|_| {
             Exchange::Next(format!(
@@ -342,6 +350,9 @@ impl Watch {
                 Some(Ok(frame)) => {
                     if let Some(data) = frame.data_ref() {
                         self.buffer.extend_from_slice(data);
+                    }
+                    if self.buffer.len() > MAX_ANSWER {
+                        return false;
                     }
                 }
                 _ => return false,
