@@ -154,6 +154,12 @@ pub async fn acquire(
     let patience = request.patience;
     let keys = Keys::of(target, request.name);
     let mut client = Client::new(target).map_err(|e| lock_error(target, e))?;
+    if target.credentials.is_some() && !target.tls {
+        warn!(
+            event = "credentials_in_clear",
+            "the etcd password and token travel unencrypted over etcd://; use etcds://"
+        );
+    }
     let mut drawn = None;
     let fail_closed_at = Instant::now() + timings.connect_timeout;
     let mut answered = false;
@@ -180,6 +186,7 @@ pub async fn acquire(
                     server: Server::Etcd,
                     url: target.secret.clone(),
                     session_id: lease as u64,
+                    revision: fence as u64,
                     name: request.name.as_str().to_owned(),
                     holder_id: request.holder.id.clone(),
                     timeout: timings.connect_timeout + timings.check_timeout,
@@ -282,6 +289,15 @@ async fn fresh_lease(
             answer["error"].as_str().unwrap_or("no reason given")
         )));
     }
+    // etcd grants at least what is asked; a lease shorter than the one the guard counts (a proxy
+    // or an etcd-compatible server that caps it) would expire before the app's deadline.
+    let granted = int(&answer["TTL"]);
+    if granted < i64::try_from(ttl_secs(timings)).unwrap_or(i64::MAX) {
+        return Err(CallError::Refused(format!(
+            "the cluster granted a lease of {granted}s for --ttl {}: it could expire before the app is stopped",
+            humantime::format_duration(timings.ttl)
+        )));
+    }
     *drawn = Some(Drawn { id, sent });
     Ok((id, sent))
 }
@@ -307,10 +323,18 @@ async fn attempt(
     });
     let answer = client.call("/v3/kv/txn", &txn, limit).await?;
     let revision = int(&answer["header"]["revision"]);
-    let first = &answer["responses"][0]["response_range"]["kvs"][0];
+    let range = &answer["responses"][0]["response_range"];
+    // Read as zeros and nulls, a stranger's answer would pass for a free or held lock.
+    if revision <= 0 || !range.is_object() {
+        return Err(CallError::Failed(
+            "the transaction's answer is not an etcd answer (no revision or read)".to_owned(),
+        ));
+    }
+    let first = &range["kvs"][0];
     if answer["succeeded"].as_bool() == Some(true) {
         let previous = match parse_record(first) {
-            None if first.is_null() => Previous::Gone("first_holder"),
+            // A first holder cannot tell a first start from a record deleted with the key (an
+            // operator's `etcdctl del --prefix`) while the old app still runs: it waits.
             None => Previous::MayRun {
                 bound: bound(timings),
                 why: "no_record",
@@ -655,7 +679,7 @@ impl Renewal {
             &mut self.client,
             &self.keys,
             self.lease,
-            Some(self.fence),
+            self.fence,
             RecordState::Released,
             &self.holder_id,
             limit,
@@ -676,36 +700,20 @@ impl Renewal {
     }
 }
 
-/// Deletes the key and writes the record in `state`, only if the key still holds `lease` (and, when
-/// known, was created at `fence`); then revokes the lease. Whether the key was ours.
+/// Deletes the key and writes the record in `state`, only if the key still holds `lease` and was
+/// created at `fence`; then revokes the lease. Whether the key was ours.
 async fn end_lease(
     client: &mut Client,
     keys: &Keys,
     lease: i64,
-    fence: Option<i64>,
+    fence: i64,
     state: RecordState,
     holder_id: &str,
     limit: Duration,
 ) -> Result<bool, CallError> {
-    // The record's token: the key's create revision, read first when not known (the farewell).
-    let token = match fence {
-        Some(fence) => fence,
-        None => {
-            let txn = json!({
-                "compare": [{ "key": base64(&keys.lock), "target": "LEASE", "result": "EQUAL", "lease": lease.to_string() }],
-                "success": [{ "request_range": { "key": base64(&keys.lock) } }],
-            });
-            let found = client.call("/v3/kv/txn", &txn, limit).await?;
-            if found["succeeded"].as_bool() != Some(true) {
-                revoke(client, lease, limit).await;
-                return Ok(false);
-            }
-            int(&found["responses"][0]["response_range"]["kvs"][0]["create_revision"])
-        }
-    };
-    let record = record_value(state, token, Duration::ZERO, holder_id);
+    let record = record_value(state, fence, Duration::ZERO, holder_id);
     let txn = json!({
-        "compare": compare_ours(keys, lease, token),
+        "compare": compare_ours(keys, lease, fence),
         "success": [
             { "request_delete_range": { "key": base64(&keys.lock) } },
             { "request_put": { "key": base64(&keys.record), "value": base64(&record) } },
@@ -727,13 +735,14 @@ pub fn end_session(farewell: &SessionFarewell) -> Result<String, String> {
     let name = LockName::parse(&farewell.name).map_err(|e| e.to_string())?;
     let keys = Keys::of(&target, &name);
     let lease = farewell.session_id as i64;
+    let fence = farewell.revision as i64;
     farewell.on_runtime(async {
         let mut client = Client::new(&target).map_err(|e| target.url.scrub(e))?;
         let ours = end_lease(
             &mut client,
             &keys,
             lease,
-            None,
+            fence,
             RecordState::TreeGone,
             &farewell.holder_id,
             farewell.timeout,

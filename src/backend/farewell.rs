@@ -42,6 +42,10 @@ pub struct SessionFarewell {
     pub url: SecretUrl,
     /// MySQL's connection id, PostgreSQL's backend pid, etcd's lease id.
     pub session_id: u64,
+    /// etcd: the lock key's create revision (the fencing token), compared with the lease, as a lease
+    /// id alone could be another holder's (a client may ask for any id). 0 elsewhere: the session
+    /// id, checked against the holder id, names the session.
+    pub revision: u64,
     pub name: String,
     /// The dead guard's holder id, which its session shows (a query comment, `application_name`).
     pub holder_id: String,
@@ -56,6 +60,7 @@ impl SessionFarewell {
         let url = self.url.expose().as_bytes();
         let mut bytes = vec![self.server.tag()];
         bytes.extend_from_slice(&self.session_id.to_le_bytes());
+        bytes.extend_from_slice(&self.revision.to_le_bytes());
         let timeout_ms = u32::try_from(self.timeout.as_millis()).unwrap_or(u32::MAX);
         bytes.extend_from_slice(&timeout_ms.to_le_bytes());
         // Lock names (at most 64 bytes, validated) and holder ids (hex) fit one length byte.
@@ -78,12 +83,13 @@ impl SessionFarewell {
     pub fn decode(bytes: &[u8]) -> Option<SessionFarewell> {
         let (&tag, rest) = bytes.split_first()?;
         let server = Server::of_tag(tag)?;
-        if rest.len() < 13 {
+        if rest.len() < 21 {
             return None;
         }
         let session_id = u64::from_le_bytes(rest[0..8].try_into().ok()?);
-        let timeout_ms = u32::from_le_bytes(rest[8..12].try_into().ok()?);
-        let mut rest = &rest[12..];
+        let revision = u64::from_le_bytes(rest[8..16].try_into().ok()?);
+        let timeout_ms = u32::from_le_bytes(rest[16..20].try_into().ok()?);
+        let mut rest = &rest[20..];
         let mut field = || {
             let (&len, tail) = rest.split_first()?;
             let value = std::str::from_utf8(tail.get(..usize::from(len))?).ok()?;
@@ -100,6 +106,7 @@ impl SessionFarewell {
             server,
             url: SecretUrl::new(url.to_owned()),
             session_id,
+            revision,
             name,
             holder_id,
             timeout: Duration::from_millis(u64::from(timeout_ms)),
@@ -142,6 +149,7 @@ mod tests {
                 server,
                 url: SecretUrl::new("mysql://sg:pw@db:3306/app".to_owned()),
                 session_id: 9_000_000_000_000_000_001,
+                revision: 77,
                 name: "billing".to_owned(),
                 holder_id: "27e1d7a4c2e445db".to_owned(),
                 timeout: Duration::from_millis(1500),
@@ -152,6 +160,7 @@ mod tests {
             assert_eq!(decoded.server, server);
             assert_eq!(decoded.url.expose(), "mysql://sg:pw@db:3306/app");
             assert_eq!(decoded.session_id, 9_000_000_000_000_000_001);
+            assert_eq!(decoded.revision, 77);
             assert_eq!(decoded.name, "billing");
             assert_eq!(decoded.holder_id, "27e1d7a4c2e445db");
             assert_eq!(decoded.timeout, Duration::from_millis(1500));

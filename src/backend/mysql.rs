@@ -588,6 +588,7 @@ fn watch(
         server: Server::Mysql,
         url: target.secret.clone(),
         session_id: u64::from(conn.id()),
+        revision: 0,
         name: request.name.as_str().to_owned(),
         holder_id: request.holder.id.clone(),
         timeout: request.timings.connect_timeout,

@@ -796,6 +796,7 @@ fn watch(
         server: Server::Postgres,
         url: target.secret.clone(),
         session_id: u64::from(session.pid as u32),
+        revision: 0,
         name: request.name.as_str().to_owned(),
         holder_id: request.holder.id.clone(),
         timeout: request.timings.connect_timeout,

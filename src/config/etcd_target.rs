@@ -56,11 +56,13 @@ impl EtcdTarget {
 }
 
 fn parse_rest(raw: &str, scheme: &str, rest: &str, tls: bool) -> Result<EtcdTarget, ConfigError> {
-    let (authority, path) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
-    let (userinfo, hosts) = match authority.rsplit_once('@') {
-        Some((userinfo, hosts)) => (Some(userinfo), hosts),
-        None => (None, authority),
+    // The credentials end at the last `@`, whatever they contain (`/`, `?`, `#`), so no part of a
+    // password is ever read, or shown, as a host or a prefix.
+    let (userinfo, rest) = match rest.rsplit_once('@') {
+        Some((userinfo, rest)) => (Some(userinfo), rest),
+        None => (None, rest),
     };
+    let (hosts, path) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
     let url = RedactedUrl::of_parts(scheme, userinfo, hosts, path);
     let bad = |why: &str| invalid(format!("--url {url}: {why}"));
     if path.contains(['?', '#']) {
@@ -163,6 +165,20 @@ mod tests {
         assert_eq!(plain.lock_key("b"), "sentinel-guard/lock/b");
         assert!(plain.credentials.is_none() && !plain.tls);
         assert!(EtcdTarget::parse("redis://x").is_none());
+        // A password with `/`, `?` or `#` in it is the password, never a host or a prefix.
+        for (raw, password) in [
+            ("etcd://u:pa/ss@h:1", "pa/ss"),
+            ("etcd://u:p?w#x@h:1/pre", "p?w#x"),
+        ] {
+            let target = EtcdTarget::parse(raw).unwrap().unwrap();
+            assert_eq!(target.members, vec![("h".to_owned(), 1)]);
+            assert!(!target.url.to_string().contains(password), "{}", target.url);
+            assert_eq!(target.credentials.unwrap().1, password);
+        }
+        let bad = EtcdTarget::parse("etcd://u:s3cret/x@h:bad")
+            .unwrap()
+            .unwrap_err();
+        assert!(!bad.to_string().contains("s3cret"), "{bad}");
         for bad in [
             "etcd://",
             "etcd://a:0",

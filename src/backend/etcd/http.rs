@@ -136,8 +136,14 @@ impl Client {
         let members = self.target.members.len();
         let mut last = String::new();
         for tried in 0..members {
-            // A silent member leaves the others their share of the bound.
-            let share = until.saturating_duration_since(Instant::now()) / (members - tried) as u32;
+            // The member in use gets most of the bound (a reconnect and a TLS handshake must fit);
+            // if it is silent, the others share the rest.
+            let left = until.saturating_duration_since(Instant::now());
+            let share = match members - tried {
+                1 => left,
+                _ if tried == 0 => left * 2 / 3,
+                others => left / others as u32,
+            };
             match timeout(share, self.on_member(path, body)).await {
                 Ok(Ok(value)) => return Ok(value),
                 Ok(Err(Exchange::Final(error))) => {
