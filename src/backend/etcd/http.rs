@@ -203,22 +203,11 @@ impl Client {
     }
 
     async fn post(&mut self, path: &str, body: &Value) -> Result<Value, Exchange> {
-        let (host, port) = &self.target.members[self.member];
-        let mut request = Request::post(path)
-            .header(HOST, authority(host, *port))
-            .header(CONTENT_TYPE, "application/json");
-        if let Some(token) = &self.token {
-            request = request.header(AUTHORIZATION, token.as_str());
-        }
-        let request = request
-            .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|e| Exchange::Final(CallError::Failed(e.to_string())))?;
+        let member = self.member();
         let Some(conn) = self.conn.as_mut() else {
             return Err(Exchange::Next("not connected".to_owned()));
         };
-        let lost = |e: hyper::Error| Exchange::Next(e.to_string());
-        conn.ready().await.map_err(lost)?;
-        let response = conn.send_request(request).await.map_err(lost)?;
+        let response = send(conn, &member, self.token.as_deref(), path, body).await?;
         let status = response.status();
         let bytes = Limited::new(response.into_body(), MAX_ANSWER)
             .collect()
@@ -299,20 +288,15 @@ impl Client {
                 self.authenticate().await?;
             }
             let mut conn = self.connect().await?;
-            let (host, port) = &self.target.members[self.member];
             let body = json!({ "create_request": { "key": base64(key), "start_revision": revision.to_string() } });
-            let mut request = Request::post("/v3/watch")
-                .header(HOST, authority(host, *port))
-                .header(CONTENT_TYPE, "application/json");
-            if let Some(token) = &self.token {
-                request = request.header(AUTHORIZATION, token.as_str());
-            }
-            let request = request
-                .body(Full::new(Bytes::from(body.to_string())))
-                .map_err(|e| Exchange::Final(CallError::Failed(e.to_string())))?;
-            let lost = |e: hyper::Error| Exchange::Next(e.to_string());
-            conn.ready().await.map_err(lost)?;
-            let response = conn.send_request(request).await.map_err(lost)?;
+            let response = send(
+                &mut conn,
+                &self.member(),
+                self.token.as_deref(),
+                "/v3/watch",
+                &body,
+            )
+            .await?;
             Ok(Watch {
                 body: response.into_body(),
                 buffer: Vec::new(),
@@ -365,6 +349,28 @@ impl Watch {
             }
         }
     }
+}
+
+/// POSTs `body` to `path` on `conn`, which reaches `member`, with the authentication token if any.
+async fn send(
+    conn: &mut SendRequest<Full<Bytes>>,
+    member: &str,
+    token: Option<&str>,
+    path: &str,
+    body: &Value,
+) -> Result<hyper::Response<Incoming>, Exchange> {
+    let mut request = Request::post(path)
+        .header(HOST, member)
+        .header(CONTENT_TYPE, "application/json");
+    if let Some(token) = token {
+        request = request.header(AUTHORIZATION, token);
+    }
+    let request = request
+        .body(Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| Exchange::Final(CallError::Failed(e.to_string())))?;
+    let lost = |e: hyper::Error| Exchange::Next(e.to_string());
+    conn.ready().await.map_err(lost)?;
+    conn.send_request(request).await.map_err(lost)
 }
 
 /// What an error code (gRPC's) and message say to do: leave a member without a leader or shutting
