@@ -31,33 +31,47 @@ impl Etcd {
         Some(Etcd::cluster(1))
     }
 
-    /// `size` members forming one cluster, each healthy before this returns.
+    /// `size` members forming one cluster, each healthy before this returns. A port picked free can
+    /// be taken by another test before its member binds it (the member then exits): such a cluster
+    /// is given up and made again on new ports, at most three times.
     pub fn cluster(size: usize) -> Etcd {
-        let members: Vec<Member> = (0..size)
-            .map(|i| Member {
-                name: format!("m{i}"),
-                client_port: free_port(),
-                peer_port: free_port(),
-                process: None,
-            })
-            .collect();
-        let initial_cluster = members
-            .iter()
-            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
-            .collect::<Vec<_>>()
-            .join(",");
-        let mut etcd = Etcd {
-            dir: tempfile::tempdir().unwrap(),
-            members,
-            initial_cluster,
-            root: None,
-        };
-        for i in 0..size {
-            etcd.launch(i);
+        for _ in 0..3 {
+            let members: Vec<Member> = (0..size)
+                .map(|i| Member {
+                    name: format!("m{i}"),
+                    client_port: free_port(),
+                    peer_port: free_port(),
+                    process: None,
+                })
+                .collect();
+            let initial_cluster = members
+                .iter()
+                .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
+                .collect::<Vec<_>>()
+                .join(",");
+            let mut etcd = Etcd {
+                dir: tempfile::tempdir().unwrap(),
+                members,
+                initial_cluster,
+                root: None,
+            };
+            for i in 0..size {
+                etcd.launch(i);
+            }
+            let mut exited = false;
+            let healthy = wait_until(Duration::from_secs(30), || {
+                exited = etcd.members.iter_mut().any(|m| {
+                    m.process
+                        .as_mut()
+                        .is_some_and(|p| p.try_wait().ok().flatten().is_some())
+                });
+                exited || etcd.healthy()
+            });
+            if healthy && !exited {
+                return etcd;
+            }
         }
-        let healthy = wait_until(Duration::from_secs(30), || etcd.healthy());
-        assert!(healthy, "private etcd cluster never became healthy");
-        etcd
+        panic!("private etcd cluster never became healthy, in three tries on fresh ports");
     }
 
     fn data_dir(&self, i: usize) -> PathBuf {
