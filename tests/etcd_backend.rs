@@ -269,21 +269,7 @@ fn fencing_tokens_increase_over_acquisitions() {
     let mut lab = Lab::new();
     let url = etcd.url();
     let tokens: Vec<u64> = (0..3)
-        .map(|round| {
-            let out = lab.path(&format!("token-{round}"));
-            let script = format!("echo $SENTINEL_GUARD_FENCING_TOKEN > {}", out.display());
-            let (code, log) = lab.run(
-                &args(&url, "fenced"),
-                &["sh", "-c", &script],
-                Duration::from_secs(10),
-            );
-            assert_eq!(code, 0, "{log}");
-            std::fs::read_to_string(&out)
-                .unwrap()
-                .trim()
-                .parse()
-                .unwrap()
-        })
+        .map(|round| token_seen_by_app(&mut lab, &args(&url, "fenced"), round))
         .collect();
     assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
 }

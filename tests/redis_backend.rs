@@ -223,30 +223,13 @@ fn server_restarted_empty_is_a_lost_lock() {
     assert!(!alive(app));
 }
 
-/// The fencing token an app sees when its guard takes the lock.
-fn token_seen_by_app(lab: &mut Lab, url: &str, round: usize) -> u64 {
-    let out = lab.path(&format!("token-{round}"));
-    let script = format!("echo $SENTINEL_GUARD_FENCING_TOKEN > {}", out.display());
-    let (code, log) = lab.run(
-        &args(url, "fenced"),
-        &["sh", "-c", &script],
-        Duration::from_secs(10),
-    );
-    assert_eq!(code, 0, "{log}");
-    std::fs::read_to_string(&out)
-        .unwrap()
-        .trim()
-        .parse::<u64>()
-        .unwrap()
-}
-
 #[test]
 fn fencing_token_increases_across_successive_holders() {
     let redis = Redis::start();
     let mut lab = Lab::new();
     let url = redis.url();
     let tokens: Vec<u64> = (0..3)
-        .map(|i| token_seen_by_app(&mut lab, &url, i))
+        .map(|i| token_seen_by_app(&mut lab, &args(&url, "fenced"), i))
         .collect();
     assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
 }
@@ -257,10 +240,10 @@ fn fencing_token_never_goes_backwards_after_redis_loses_its_data() {
     let mut redis = Redis::start();
     let mut lab = Lab::new();
     let url = redis.url();
-    let before = token_seen_by_app(&mut lab, &url, 0);
+    let before = token_seen_by_app(&mut lab, &args(&url, "fenced"), 0);
     redis.restart();
     assert_eq!(redis.cli(&["DBSIZE"]), "0", "the restart kept the data");
-    let after = token_seen_by_app(&mut lab, &url, 1);
+    let after = token_seen_by_app(&mut lab, &args(&url, "fenced"), 1);
     assert!(after > before, "token went from {before} to {after}");
 }
 

@@ -419,6 +419,19 @@ pub fn recording_app(trace: &Path, pidfile: &Path) -> Vec<String> {
     vec!["sh".into(), "-c".into(), script]
 }
 
+/// The fencing token the app sees when a guard started with `args` takes the lock (round `round`).
+pub fn token_seen_by_app(lab: &mut Lab, args: &[&str], round: usize) -> u64 {
+    let out = lab.path(&format!("token-{round}"));
+    let script = format!("echo $SENTINEL_GUARD_FENCING_TOKEN > {}", out.display());
+    let (code, log) = lab.run(args, &["sh", "-c", &script], Duration::from_secs(10));
+    assert_eq!(code, 0, "{log}");
+    fs::read_to_string(&out)
+        .unwrap()
+        .trim()
+        .parse::<u64>()
+        .unwrap()
+}
+
 pub fn as_strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
