@@ -191,6 +191,16 @@ impl Etcd {
         }
     }
 
+    /// Starts member `i` again on its ports and data, after a `kill`.
+    pub fn restart(&mut self, i: usize) {
+        self.kill(i);
+        self.launch(i);
+    }
+
+    pub fn size(&self) -> usize {
+        self.members.len()
+    }
+
     /// SIGKILLs member `i`.
     pub fn kill(&mut self, i: usize) {
         if let Some(mut process) = self.members[i].process.take() {

@@ -6,6 +6,7 @@ pub mod endpoints;
 pub mod etcd;
 pub mod freeze;
 pub mod mariadb;
+pub mod netns;
 pub mod pooler;
 pub mod postgres;
 pub mod procs;

@@ -1,9 +1,10 @@
 //! A TCP proxy between the guard and its server that can go silent: bytes stop flowing both ways
-//! while every socket stays open, as in a network partition.
+//! while every socket stays open, as in a network partition. It can also hold every chunk back for a
+//! while, as a slow link does (the nemesis's delay, where the kernel has no `netem`).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -13,6 +14,8 @@ use super::{alive, as_strs, read_pid, recording_app, wait_until, Lab, FAST};
 pub struct Proxy {
     pub port: u16,
     silent: Arc<AtomicBool>,
+    /// Milliseconds each chunk waits before it is passed on.
+    delay_ms: Arc<AtomicU64>,
 }
 
 impl Proxy {
@@ -25,7 +28,9 @@ impl Proxy {
         let listener = TcpListener::bind(address).unwrap();
         let port = listener.local_addr().unwrap().port();
         let silent = Arc::new(AtomicBool::new(false));
+        let delay_ms = Arc::new(AtomicU64::new(0));
         let flag = silent.clone();
+        let delay = delay_ms.clone();
         thread::spawn(move || {
             for client in listener.incoming().flatten() {
                 let Ok(server) = TcpStream::connect(("127.0.0.1", upstream_port)) else {
@@ -36,11 +41,22 @@ impl Proxy {
                     client.try_clone().unwrap(),
                     server.try_clone().unwrap(),
                     flag.clone(),
+                    delay.clone(),
                 );
-                pump(server, client, flag.clone());
+                pump(server, client, flag.clone(), delay.clone());
             }
         });
-        Proxy { port, silent }
+        Proxy {
+            port,
+            silent,
+            delay_ms,
+        }
+    }
+
+    /// From now on, every chunk read in either direction is passed on `delay` later.
+    pub fn set_delay(&self, delay: Duration) {
+        self.delay_ms
+            .store(delay.as_millis() as u64, Ordering::SeqCst);
     }
 
     /// From now on, every byte in either direction is dropped; no connection is closed.
@@ -49,7 +65,7 @@ impl Proxy {
     }
 }
 
-fn pump(mut from: TcpStream, mut to: TcpStream, silent: Arc<AtomicBool>) {
+fn pump(mut from: TcpStream, mut to: TcpStream, silent: Arc<AtomicBool>, delay_ms: Arc<AtomicU64>) {
     thread::spawn(move || {
         let mut buf = [0u8; 16 * 1024];
         loop {
@@ -59,6 +75,10 @@ fn pump(mut from: TcpStream, mut to: TcpStream, silent: Arc<AtomicBool>) {
             };
             if silent.load(Ordering::SeqCst) {
                 continue;
+            }
+            let delay = delay_ms.load(Ordering::SeqCst);
+            if delay > 0 {
+                thread::sleep(Duration::from_millis(delay));
             }
             if to.write_all(&buf[..n]).is_err() {
                 break;

@@ -1,0 +1,200 @@
+//! A host of its own for a guard: a network namespace joined to this test's namespace by a veth pair,
+//! with its own firewall, so a partition is real packets dropped by the kernel between two network
+//! stacks, not a proxy that stops forwarding. Needs root and iproute2 and iptables (`.ci/run`
+//! installs both).
+
+use std::fs;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use super::alive;
+
+/// Which packets a partition drops, seen from the guard's host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    Both,
+    /// The guard's requests are lost; the server's answers would pass.
+    ToServer,
+    /// The guard's requests arrive and are acted on; the answers are lost.
+    FromServer,
+}
+
+impl Direction {
+    pub fn name(self) -> &'static str {
+        match self {
+            Direction::Both => "both_ways",
+            Direction::ToServer => "to_server",
+            Direction::FromServer => "from_server",
+        }
+    }
+}
+
+pub struct Host {
+    /// The namespace's name, as `ip netns` knows it (`/run/netns/<name>`).
+    pub name: String,
+    /// This test's end of the link: what the guard's host reaches the servers' relays at.
+    pub gateway: String,
+    /// The guard's end of the link.
+    pub address: String,
+}
+
+/// The namespaces this process makes are named `sgnem-<pid>-<n>`: one left by a test process that
+/// was killed (its pid no longer runs) is removed before a new one is made, with its veth pair.
+fn remove_stale() {
+    let Ok(listed) = fs::read_dir("/run/netns") else {
+        return;
+    };
+    for entry in listed.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix("sgnem-")
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if !alive(pid) {
+            let _ = quiet(Command::new("ip").args(["netns", "del", &name]));
+        }
+    }
+}
+
+fn quiet(cmd: &mut Command) -> bool {
+    cmd.stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("iproute2");
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl Host {
+    /// A new namespace with its loopback up and a /30 link to this test's namespace.
+    pub fn create() -> Host {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        if n == 0 {
+            remove_stale();
+        }
+        assert!(n < 64, "too many hosts for one test process");
+        let pid = std::process::id();
+        let name = format!("sgnem-{pid}-{n}");
+        // Interface names are at most 15 bytes; the pid's last digits keep two test processes'
+        // links apart.
+        let (outer, inner) = (
+            format!("sg{}h{n}", pid % 100_000),
+            format!("sg{}g{n}", pid % 100_000),
+        );
+        // One /30 per host in 10.<100 + pid % 100>.0.0/16: hosts of two processes rarely share a
+        // subnet, and a host of a killed process is removed above before it could.
+        let subnet = format!("10.{}.{}.{}", 100 + pid % 100, n / 64, (n % 64) * 4);
+        let base: Vec<u32> = subnet.split('.').map(|o| o.parse().unwrap()).collect();
+        let at = |last: u32| format!("{}.{}.{}.{}", base[0], base[1], base[2], base[3] + last);
+        let (gateway, address) = (at(1), at(2));
+        ip(&["netns", "add", &name]);
+        let host = Host {
+            name,
+            gateway,
+            address,
+        };
+        ip(&[
+            "link", "add", &outer, "type", "veth", "peer", "name", &inner,
+        ]);
+        ip(&["link", "set", &inner, "netns", &host.name]);
+        ip(&[
+            "addr",
+            "add",
+            &format!("{}/30", host.gateway),
+            "dev",
+            &outer,
+        ]);
+        ip(&["link", "set", &outer, "up"]);
+        ip(&[
+            "-n",
+            &host.name,
+            "addr",
+            "add",
+            &format!("{}/30", host.address),
+            "dev",
+            &inner,
+        ]);
+        ip(&["-n", &host.name, "link", "set", &inner, "up"]);
+        ip(&["-n", &host.name, "link", "set", "lo", "up"]);
+        host
+    }
+
+    /// The `nsenter` option that runs a program on this host. Unlike `ip netns exec`, nsenter
+    /// leaves the mount namespace alone, so the guard still sees the cgroup filesystems, and it
+    /// execs, so the program keeps nsenter's pid.
+    pub fn nsenter_arg(&self) -> String {
+        format!("--net=/run/netns/{}", self.name)
+    }
+
+    fn iptables(&self, args: &[&str]) {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.name, "iptables", "-w"])
+            .args(args)
+            .output()
+            .expect("iptables");
+        assert!(
+            out.status.success(),
+            "iptables {} on {}: {}",
+            args.join(" "),
+            self.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Drops the packets between this host and the gateway in `direction`, every socket left open.
+    pub fn partition(&self, direction: Direction) {
+        if direction != Direction::FromServer {
+            self.iptables(&["-A", "OUTPUT", "-d", &self.gateway, "-j", "DROP"]);
+        }
+        if direction != Direction::ToServer {
+            self.iptables(&["-A", "INPUT", "-s", &self.gateway, "-j", "DROP"]);
+        }
+    }
+
+    /// Drops each packet between this host and the gateway, either way, with `probability`.
+    pub fn lose(&self, probability: f64) {
+        let p = format!("{probability:.2}");
+        for (chain, side) in [("OUTPUT", "-d"), ("INPUT", "-s")] {
+            self.iptables(&[
+                "-A",
+                chain,
+                side,
+                &self.gateway,
+                "-m",
+                "statistic",
+                "--mode",
+                "random",
+                "--probability",
+                &p,
+                "-j",
+                "DROP",
+            ]);
+        }
+    }
+
+    /// Every rule gone: the link passes everything again.
+    pub fn heal(&self) {
+        self.iptables(&["-F"]);
+    }
+}
+
+impl Drop for Host {
+    /// Removing the namespace removes its end of the veth pair, and with it ours.
+    fn drop(&mut self) {
+        if !quiet(Command::new("ip").args(["netns", "del", &self.name])) {
+            eprintln!("could not remove network namespace {}", self.name);
+        }
+    }
+}
