@@ -6,7 +6,8 @@
 //! `cargo bench --bench guard` runs the full set (a few minutes); `cargo bench --bench guard -- --quick`
 //! (or `SENTINEL_BENCH_QUICK=1`) runs few rounds, for CI. `SENTINEL_BENCH_ONLY=startup,takeover` runs
 //! only the named sections (`startup`, `detection`, `freeze`, `takeover`, `footprint`, `scale`,
-//! `scheduled`).
+//! `scheduled`, `redis_failover`). `nemesis`, the random faults' long run, runs only when named:
+//! `SENTINEL_BENCH_ONLY=nemesis SENTINEL_NEMESIS_SECONDS=1800 cargo bench --bench guard`.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -19,6 +20,7 @@ use std::time::{Duration, Instant};
 use common::etcd::Etcd;
 use common::freeze::Freezer;
 use common::mariadb::MariaDb;
+use common::nemesis::Nemesis;
 use common::postgres::Postgres;
 use common::redis::Redis;
 use common::sentinel::{Sentinels, FAILOVER_LEASE};
@@ -1078,6 +1080,59 @@ fn redis_failover(report: &mut Report, settings: &Settings) {
     );
 }
 
+/// The nemesis (`tests/common/nemesis.rs`) on every backend at once, each on servers of its own, for
+/// `SENTINEL_NEMESIS_SECONDS` each: one row per backend, with the faults survived by kind.
+fn nemesis(report: &mut Report) {
+    type Start = fn() -> Backend;
+    let runs: [(&str, Start); 5] = [
+        ("mysql", || Backend::Mysql(MariaDb::start())),
+        ("postgres", || Backend::Postgres(Postgres::start())),
+        ("redis", || Backend::Redis(Redis::start())),
+        ("etcd", || Backend::Etcd(Etcd::cluster(3))),
+        ("file", || Backend::File(Lab::new())),
+    ];
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let running: Vec<_> = runs
+            .into_iter()
+            .map(|(name, backend)| (name, scope.spawn(move || Nemesis::new(backend()).run())))
+            .collect();
+        running
+            .into_iter()
+            .map(|(name, run)| (name, run.join()))
+            .collect()
+    });
+    for (name, result) in results {
+        match result {
+            Ok(summary) => {
+                let faults: Vec<String> =
+                    summary.faults.iter().map(|(k, n)| format!("{k} {n}")).collect();
+                report.row(
+                    &format!("random faults (nemesis), {}s", summary.seconds),
+                    name,
+                    format!(
+                        "{} overlaps; {} rounds, {} apps, worst takeover {}ms; faults: {}; seed {}",
+                        summary.overlaps,
+                        summary.rounds,
+                        summary.apps,
+                        summary.worst_takeover.as_millis(),
+                        faults.join(", "),
+                        summary.seed
+                    ),
+                    "0 overlaps",
+                    json!({"rounds": summary.rounds, "apps": summary.apps, "overlaps": summary.overlaps, "worst_takeover_ms": summary.worst_takeover.as_millis() as u64, "faults": summary.faults, "seed": summary.seed}),
+                );
+            }
+            Err(_) => report.row(
+                "random faults (nemesis)",
+                name,
+                "FAILED: a violation or a stuck run; its seed and history window are in the log above".into(),
+                "0 overlaps",
+                json!({"failed": true}),
+            ),
+        }
+    }
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick")
         || std::env::var_os("SENTINEL_BENCH_QUICK").is_some();
@@ -1127,6 +1182,13 @@ fn main() {
     }
     if wanted("redis_failover") {
         redis_failover(&mut report, &settings);
+    }
+    // Half an hour or more: only when named.
+    if only
+        .as_deref()
+        .is_some_and(|only| only.split(',').any(|s| s.trim() == "nemesis"))
+    {
+        nemesis(&mut report);
     }
 
     let mut table = String::from(

@@ -118,22 +118,6 @@ fn slow_stopping_app(trace: &Path, pidfile: &Path) -> Vec<String> {
     vec!["sh".into(), "-c".into(), script]
 }
 
-/// Processes whose command line mentions `dir`: every app of the round does, via its trace path.
-fn survivors(dir: &Path) -> Vec<i32> {
-    let needle = dir.to_string_lossy().into_owned();
-    fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| *pid != std::process::id() as i32 && alive(*pid))
-        .filter(|pid| {
-            fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|c| String::from_utf8_lossy(&c).contains(&needle))
-                .unwrap_or(false)
-        })
-        .collect()
-}
-
 struct Measured {
     detect: Option<Duration>,
     takeover: Option<Duration>,

@@ -6,6 +6,7 @@ pub mod endpoints;
 pub mod etcd;
 pub mod freeze;
 pub mod mariadb;
+pub mod nemesis;
 pub mod netns;
 pub mod pooler;
 pub mod postgres;
@@ -536,6 +537,23 @@ pub fn zombie_children(parent: i32) -> usize {
             fields.next() == Some("Z") && fields.next() == Some(parent.to_string().as_str())
         })
         .count()
+}
+
+/// Processes whose command line mentions `dir`: every app of a round or a run does, through the
+/// trace or history path it writes to.
+pub fn survivors(dir: &Path) -> Vec<i32> {
+    let needle = dir.to_string_lossy().into_owned();
+    fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| *pid != std::process::id() as i32 && alive(*pid))
+        .filter(|pid| {
+            fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(&needle))
+                .unwrap_or(false)
+        })
+        .collect()
 }
 
 /// Alive and not a zombie.

@@ -1,0 +1,787 @@
+//! The nemesis: random schedules of faults against three guards on hosts of their own, checked from
+//! a recorded history alone.
+//!
+//! Each test runs one backend: its server (or a three-member etcd cluster) in this test's network
+//! namespace, and three guards, each on a host of its own (a network namespace joined by a veth pair,
+//! `common::netns`) and in a freezer cgroup of its own. Every guard runs with `--wait`, the backend's
+//! short timings and the default takeover setting (`auto`), as `docker compose up --scale app=3`
+//! with a restart policy would run them: a guard that exits is started again. A guard reaches the
+//! servers through a relay at its link's far end; the relay can slow the link (the kernel here has
+//! no `netem`).
+//!
+//! Every app appends its start, its beats (every 50ms) and its stop, stamped with `CLOCK_MONOTONIC`
+//! (one clock for every namespace of the host), to one history file; the nemesis appends each
+//! fault's begin and end. The checker (module `checker`) reads only that history. Faults, one or two
+//! at once, are drawn from a seed printed first: `SENTINEL_NEMESIS_SEED` replays it.
+//! `SENTINEL_NEMESIS_SECONDS` sets how long faults are drawn per backend (default 40).
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::time::{clock_gettime, ClockId};
+use nix::unistd::Pid;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::freeze::Freezer;
+use super::netns::{Direction, Host};
+use super::proxy::Proxy;
+use super::*;
+
+const GUARDS: usize = 3;
+const LOCK: &str = "nemesis";
+/// How long after the faults heal some app must run again. The slowest recovery the fault matrix
+/// measures with these timings is 14.2s (a partition on MySQL: the session timeout, then the old
+/// holder's bound); a server restarted meanwhile and a guard started again add seconds.
+const LIVENESS: Duration = Duration::from_secs(45);
+/// A fault lasts at most this long. A whole tree frozen for longer than the standby's takeover
+/// wait (the lock's life plus the old holder's bound, 7s at the least here) is the documented
+/// limit of docs/guarantees.md ("Frozen or suspended past the deadline"), not a fault the guard
+/// claims to survive.
+const LONGEST_FAULT: Duration = Duration::from_secs(3);
+
+/// The recording app. It takes the witness lock before it records its start; every earlier app
+/// held it for as long as any process of its tree lived, so a start that finds it taken is an
+/// overlap whatever the stamps say (the exact check for an app that was SIGKILLed and wrote no
+/// stop). It stops 300ms after SIGTERM, as an app finishing its work does.
+const APP: &str = r#"
+import fcntl, os, signal, sys, time
+history, witness, name = sys.argv[1], sys.argv[2], sys.argv[3]
+token = os.environ.get("SENTINEL_GUARD_FENCING_TOKEN", "none")
+out = os.open(history, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+def record(what):
+    os.write(out, f"{time.monotonic_ns()} app {name} {token} {what}\n".encode())
+held = os.open(witness, os.O_WRONLY | os.O_CREAT, 0o644)
+try:
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    record("start")
+except BlockingIOError:
+    record("start")
+    record("overlap")
+def stop(signum, frame):
+    time.sleep(0.3)
+    record("stop")
+    os._exit(0)
+signal.signal(signal.SIGTERM, stop)
+while True:
+    record("beat")
+    time.sleep(0.05)
+"#;
+
+fn now_ns() -> u64 {
+    let t = clock_gettime(ClockId::CLOCK_MONOTONIC).unwrap();
+    t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
+}
+
+/// Sends `signal`, ignoring a process already gone: faults may overlap with a guard's own exit.
+fn signal(pid: i32, signal: Signal) {
+    let _ = kill(Pid::from_raw(pid), signal);
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fault {
+    Partition(usize, Direction),
+    Loss(usize),
+    Delay(usize, u64),
+    GuardStop(usize),
+    TreeFreeze(usize),
+    GuardKill(usize),
+    GuardTerm(usize),
+    ServerKill(usize),
+    ServerStop,
+    TakeAway,
+}
+
+impl Fault {
+    fn kind(self) -> String {
+        match self {
+            Fault::Partition(_, direction) => format!("partition_{}", direction.name()),
+            Fault::Loss(_) => "packet_loss".into(),
+            Fault::Delay(..) => "link_delay".into(),
+            Fault::GuardStop(_) => "guard_sigstop".into(),
+            Fault::TreeFreeze(_) => "tree_frozen".into(),
+            Fault::GuardKill(_) => "guard_sigkill".into(),
+            Fault::GuardTerm(_) => "guard_sigterm".into(),
+            Fault::ServerKill(_) => "server_sigkill".into(),
+            Fault::ServerStop => "server_sigstop".into(),
+            Fault::TakeAway => "lock_taken_away".into(),
+        }
+    }
+
+    /// What the fault acts on: two faults at once never act on the same thing.
+    fn target(self) -> Option<usize> {
+        match self {
+            Fault::Partition(slot, _)
+            | Fault::Loss(slot)
+            | Fault::Delay(slot, _)
+            | Fault::GuardStop(slot)
+            | Fault::TreeFreeze(slot)
+            | Fault::GuardKill(slot)
+            | Fault::GuardTerm(slot) => Some(slot),
+            Fault::ServerKill(_) | Fault::ServerStop | Fault::TakeAway => None,
+        }
+    }
+
+    fn describe(self) -> String {
+        match self {
+            Fault::Delay(slot, ms) => format!("{} guard={slot} delay={ms}ms", self.kind()),
+            Fault::ServerKill(member) => format!("{} member={member}", self.kind()),
+            _ => match self.target() {
+                Some(slot) => format!("{} guard={slot}", self.kind()),
+                None => self.kind(),
+            },
+        }
+    }
+}
+
+/// One of the three guards' places: its host, its relays, its freezer cgroup, and the guard now
+/// running there, if any.
+struct Slot {
+    host: Host,
+    relays: Vec<Proxy>,
+    url: String,
+    freezer: Freezer,
+    guard: Option<GuardProcess>,
+    exited: Option<Instant>,
+    started: usize,
+}
+
+impl Drop for Slot {
+    /// A frozen or stopped guard could not be killed and waited for: thaw and continue it first.
+    fn drop(&mut self) {
+        let _ = fs::write(self.freezer.dir().join("freezer.state"), "THAWED");
+        if let Some(guard) = &self.guard {
+            signal(guard.pid(), Signal::SIGCONT);
+        }
+    }
+}
+
+pub struct Nemesis {
+    backend: Backend,
+    lab: Lab,
+    history: PathBuf,
+    slots: Vec<Slot>,
+    rng: StdRng,
+    seed: u64,
+    faults: BTreeMap<String, usize>,
+    exits: BTreeMap<String, usize>,
+    rounds: usize,
+}
+
+fn server_ports(backend: &Backend) -> Vec<u16> {
+    match backend {
+        Backend::Mysql(db) => vec![db.port],
+        Backend::Postgres(db) => vec![db.port],
+        Backend::Redis(redis) => vec![redis.port],
+        Backend::Etcd(etcd) => (0..etcd.size()).map(|i| etcd.client_port(i)).collect(),
+        Backend::File(_) => Vec::new(),
+    }
+}
+
+fn seed() -> u64 {
+    std::env::var("SENTINEL_NEMESIS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| rand::rng().random())
+}
+
+fn seconds() -> u64 {
+    std::env::var("SENTINEL_NEMESIS_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(40)
+}
+
+fn describe_exit(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exit_{code}"),
+        (None, Some(signal)) => format!("signal_{signal}"),
+        _ => "unknown".into(),
+    }
+}
+
+impl Nemesis {
+    pub fn new(backend: Backend) -> Nemesis {
+        let seed = seed();
+        eprintln!(
+            "nemesis backend={} seed={seed} (SENTINEL_NEMESIS_SEED={seed} replays it)",
+            backend.name()
+        );
+        let lab = Lab::with_default_takeover();
+        let history = lab.path("history");
+        fs::write(lab.path("app.py"), APP).unwrap();
+        let slots = (0..GUARDS)
+            .map(|_| {
+                let host = Host::create();
+                let mut url = backend.url();
+                let relays: Vec<Proxy> = server_ports(&backend)
+                    .into_iter()
+                    .map(|port| {
+                        let relay = Proxy::listening_on(&format!("{}:0", host.gateway), port);
+                        url = url.replace(
+                            &format!("127.0.0.1:{port}"),
+                            &format!("{}:{}", host.gateway, relay.port),
+                        );
+                        relay
+                    })
+                    .collect();
+                Slot {
+                    host,
+                    relays,
+                    url,
+                    freezer: Freezer::create(),
+                    guard: None,
+                    exited: None,
+                    started: 0,
+                }
+            })
+            .collect();
+        Nemesis {
+            backend,
+            lab,
+            history,
+            slots,
+            rng: StdRng::seed_from_u64(seed),
+            seed,
+            faults: BTreeMap::new(),
+            exits: BTreeMap::new(),
+            rounds: 0,
+        }
+    }
+
+    fn note(&self, what: &str) {
+        let mut file = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.history)
+            .unwrap();
+        file.write_all(format!("{} nemesis {what}\n", now_ns()).as_bytes())
+            .unwrap();
+    }
+
+    /// Starts a guard in slot `i`.
+    fn spawn(&mut self, i: usize) {
+        let slot = &mut self.slots[i];
+        slot.started += 1;
+        let name = format!("g{i}.{}", slot.started);
+        let mut args: Vec<String> = vec![
+            "--url".into(),
+            slot.url.clone(),
+            "--name".into(),
+            LOCK.into(),
+        ];
+        args.extend(self.backend.fast_args().iter().map(|s| s.to_string()));
+        args.push("--wait".into());
+        let history = self.history.display().to_string();
+        let witness = self.lab.path("witness").display().to_string();
+        let script = self.lab.path("app.py").display().to_string();
+        let app = ["python3", &script, &history, &witness, &name];
+        let cmd = self.lab.command(&as_strs(&args), &app);
+        let cmd = launched_by(&cmd, "nsenter", &[&slot.host.nsenter_arg()]);
+        let cmd = slot.freezer.command(&cmd);
+        slot.guard = Some(self.lab.start(cmd));
+        slot.exited = None;
+    }
+
+    /// Reaps guards that exited and starts them again 300ms later, as a restart policy would. An
+    /// exit that means a bug (bad input, an internal error, a panic) ends the test.
+    fn keep_guards_running(&mut self) {
+        for i in 0..GUARDS {
+            let slot = &mut self.slots[i];
+            if let Some(guard) = &mut slot.guard {
+                if let Some(status) = guard.child.try_wait().unwrap() {
+                    let exit = describe_exit(status);
+                    assert!(
+                        !matches!(status.code(), Some(2 | 70 | 101)),
+                        "seed {}: guard {i} exited {exit}: {}",
+                        self.seed,
+                        guard.log_text()
+                    );
+                    *self.exits.entry(exit).or_default() += 1;
+                    slot.guard = None;
+                    slot.exited = Some(Instant::now());
+                }
+            }
+            let due = slot
+                .exited
+                .is_none_or(|at| at.elapsed() >= Duration::from_millis(300));
+            if slot.guard.is_none() && due {
+                self.spawn(i);
+            }
+        }
+    }
+
+    /// The slot whose app started last: the leader, as far as the history tells.
+    fn leader(&self) -> Option<usize> {
+        let history = fs::read_to_string(&self.history).unwrap_or_default();
+        history
+            .lines()
+            .rev()
+            .find(|l| l.ends_with(" start"))
+            .and_then(|l| l.split_whitespace().nth(2))
+            .and_then(|name| name.strip_prefix('g'))
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|i| i.parse().ok())
+    }
+
+    fn draw(&mut self) -> Fault {
+        let slot = match self.leader() {
+            Some(leader) if self.rng.random_ratio(3, 5) => leader,
+            _ => self.rng.random_range(0..GUARDS),
+        };
+        let networked = !matches!(self.backend, Backend::File(_));
+        let members = server_ports(&self.backend).len().max(1);
+        loop {
+            let fault = match self.rng.random_range(0..10) {
+                0 if networked => {
+                    let direction = [Direction::Both, Direction::ToServer, Direction::FromServer]
+                        [self.rng.random_range(0..3)];
+                    Fault::Partition(slot, direction)
+                }
+                1 if networked => Fault::Loss(slot),
+                2 if networked => Fault::Delay(slot, self.rng.random_range(20..400)),
+                3 => Fault::GuardStop(slot),
+                4 => Fault::TreeFreeze(slot),
+                5 => Fault::GuardKill(slot),
+                6 => Fault::GuardTerm(slot),
+                7 if networked => Fault::ServerKill(self.rng.random_range(0..members)),
+                8 if networked => Fault::ServerStop,
+                9 => Fault::TakeAway,
+                _ => continue,
+            };
+            return fault;
+        }
+    }
+
+    fn guard_pid(&self, slot: usize) -> Option<i32> {
+        self.slots[slot].guard.as_ref().map(GuardProcess::pid)
+    }
+
+    fn signal_server(&self, signal: Signal) {
+        match &self.backend {
+            Backend::Mysql(db) => self::signal(db.pid(), signal),
+            Backend::Postgres(db) => db.signal_all(signal as i32),
+            Backend::Redis(redis) => self::signal(redis.pid(), signal),
+            Backend::Etcd(etcd) => etcd.signal_all(signal as i32),
+            Backend::File(_) => unreachable!("no server"),
+        }
+    }
+
+    fn apply(&mut self, fault: Fault) {
+        match fault {
+            Fault::Partition(slot, direction) => self.slots[slot].host.partition(direction),
+            Fault::Loss(slot) => self.slots[slot].host.lose(0.3),
+            Fault::Delay(slot, ms) => {
+                for relay in &self.slots[slot].relays {
+                    relay.set_delay(Duration::from_millis(ms));
+                }
+            }
+            Fault::GuardStop(slot) | Fault::GuardKill(slot) | Fault::GuardTerm(slot) => {
+                let sig = match fault {
+                    Fault::GuardStop(_) => Signal::SIGSTOP,
+                    Fault::GuardKill(_) => Signal::SIGKILL,
+                    _ => Signal::SIGTERM,
+                };
+                if let Some(pid) = self.guard_pid(slot) {
+                    signal(pid, sig);
+                }
+            }
+            Fault::TreeFreeze(slot) => self.slots[slot].freezer.freeze(),
+            Fault::ServerKill(member) => match &mut self.backend {
+                Backend::Mysql(db) => db.kill9(),
+                Backend::Postgres(db) => db.kill9(),
+                Backend::Redis(redis) => redis.kill9(),
+                Backend::Etcd(etcd) => etcd.kill(member),
+                Backend::File(_) => unreachable!("no server"),
+            },
+            Fault::ServerStop => self.signal_server(Signal::SIGSTOP),
+            Fault::TakeAway => match &self.backend {
+                Backend::Mysql(db) => {
+                    if let Some(conn) = db.holder_of(LOCK) {
+                        db.sql(&format!("KILL {conn}"));
+                    }
+                }
+                Backend::Postgres(db) => {
+                    if let Some(pid) = db.holder_of(LOCK) {
+                        db.sql(&format!("SELECT pg_terminate_backend({pid})"));
+                    }
+                }
+                Backend::Redis(redis) => {
+                    redis.cli(&["DEL", &format!("sentinel-guard:{{{LOCK}}}")]);
+                }
+                Backend::Etcd(etcd) => {
+                    let mut del = etcd.ctl();
+                    del.args(["del", &format!("sentinel-guard/lock/{LOCK}")]);
+                    must_run(del, "etcdctl del");
+                }
+                Backend::File(files) => {
+                    let _ = fs::remove_file(files.path("backend.lock"));
+                }
+            },
+        }
+    }
+
+    fn heal(&mut self, fault: Fault) {
+        match fault {
+            Fault::Partition(slot, _) | Fault::Loss(slot) => self.slots[slot].host.heal(),
+            Fault::Delay(slot, _) => {
+                for relay in &self.slots[slot].relays {
+                    relay.set_delay(Duration::ZERO);
+                }
+            }
+            Fault::GuardStop(slot) => {
+                if let Some(pid) = self.guard_pid(slot) {
+                    signal(pid, Signal::SIGCONT);
+                }
+            }
+            Fault::TreeFreeze(slot) => {
+                self.slots[slot].freezer.thaw();
+            }
+            Fault::ServerKill(member) => match &mut self.backend {
+                Backend::Mysql(db) => db.restart(),
+                Backend::Postgres(db) => db.restart(),
+                Backend::Redis(redis) => redis.restart(),
+                Backend::Etcd(etcd) => etcd.restart(member),
+                Backend::File(_) => unreachable!("no server"),
+            },
+            Fault::ServerStop => self.signal_server(Signal::SIGCONT),
+            Fault::GuardKill(_) | Fault::GuardTerm(_) | Fault::TakeAway => {}
+        }
+    }
+
+    /// Sleeps `d` while keeping the guards running.
+    fn pass(&mut self, d: Duration) {
+        let until = Instant::now() + d;
+        while Instant::now() < until {
+            self.keep_guards_running();
+            std::thread::sleep(Duration::from_millis(20).min(until - Instant::now()));
+        }
+    }
+
+    /// One round: one fault, or two at once on different targets, held for up to `LONGEST_FAULT`,
+    /// healed in reverse order; then some app must beat within `LIVENESS` of the heal.
+    fn round(&mut self) {
+        let first = self.draw();
+        let mut faults = vec![first];
+        if self.rng.random_ratio(1, 3) {
+            let second = self.draw();
+            if second.target() != first.target() {
+                faults.push(second);
+            }
+        }
+        for fault in &faults {
+            self.note(&format!("{} begin", fault.describe()));
+            self.apply(*fault);
+            *self.faults.entry(fault.kind()).or_default() += 1;
+        }
+        let hold = self
+            .rng
+            .random_range(200..=LONGEST_FAULT.as_millis() as u64);
+        self.pass(Duration::from_millis(hold));
+        for fault in faults.iter().rev() {
+            self.heal(*fault);
+            self.note(&format!("{} end", fault.describe()));
+        }
+        let healed = now_ns();
+        let limit = Instant::now() + LIVENESS;
+        while !checker::beat_after(&fs::read_to_string(&self.history).unwrap(), healed) {
+            assert!(
+                Instant::now() < limit,
+                "seed {}: no app ran within {LIVENESS:?} of the heal\n{}",
+                self.seed,
+                self.logs()
+            );
+            self.pass(Duration::from_millis(50));
+        }
+        self.rounds += 1;
+        // A quiet moment between rounds, so faults also land on a settled leader.
+        let quiet = self.rng.random_range(0..1000);
+        self.pass(Duration::from_millis(quiet));
+    }
+
+    fn logs(&self) -> String {
+        let mut all = String::new();
+        for (i, slot) in self.slots.iter().enumerate() {
+            if let Some(guard) = &slot.guard {
+                let log = guard.log_text();
+                let tail: Vec<&str> = log.lines().rev().take(15).collect();
+                all += &format!("--- guard {i}, last lines:\n");
+                for line in tail.into_iter().rev() {
+                    all += line;
+                    all += "\n";
+                }
+            }
+        }
+        all
+    }
+
+    /// Draws faults for `SENTINEL_NEMESIS_SECONDS`, then judges the history; panics, with the
+    /// seed, on any violation.
+    pub fn run(mut self) -> Summary {
+        for i in 0..GUARDS {
+            self.spawn(i);
+        }
+        let deadline = Instant::now() + Duration::from_secs(seconds());
+        while Instant::now() < deadline {
+            self.round();
+        }
+        self.finish()
+    }
+
+    /// Stops every guard with SIGTERM, checks nothing of theirs is left, and judges the history.
+    fn finish(mut self) -> Summary {
+        for slot in &mut self.slots {
+            if let Some(guard) = &mut slot.guard {
+                signal(guard.pid(), Signal::SIGTERM);
+                let status = guard.wait(Duration::from_secs(20));
+                *self.exits.entry(describe_exit(status)).or_default() += 1;
+            }
+            slot.guard = None;
+        }
+        let mut stray = Vec::new();
+        let gone = wait_until(Duration::from_secs(5), || {
+            stray = survivors(self.lab.dir.path());
+            stray.is_empty()
+        });
+        assert!(
+            gone,
+            "seed {}: processes outlived their guards: {stray:?}",
+            self.seed
+        );
+        let history = fs::read_to_string(&self.history).unwrap();
+        let report = checker::check(&history);
+        let summary = Summary {
+            backend: self.backend.name(),
+            seed: self.seed,
+            seconds: seconds(),
+            rounds: self.rounds,
+            apps: report.apps,
+            worst_takeover: Duration::from_nanos(report.worst_takeover_ns),
+            overlaps: report.violations.len(),
+            faults: std::mem::take(&mut self.faults),
+            exits: std::mem::take(&mut self.exits),
+        };
+        eprintln!("{}", summary.line());
+        let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("nemesis");
+        fs::create_dir_all(&out).unwrap();
+        fs::write(
+            out.join(format!("{}.txt", summary.backend)),
+            format!("{}\n", summary.line()),
+        )
+        .unwrap();
+        assert!(
+            report.violations.is_empty(),
+            "seed {}: {}",
+            self.seed,
+            report.violations.join("\n\n")
+        );
+        assert!(report.apps > 0, "seed {}: no app ever ran", self.seed);
+        summary
+    }
+}
+
+/// What a run did: the counts a report shows.
+pub struct Summary {
+    pub backend: &'static str,
+    pub seed: u64,
+    pub seconds: u64,
+    pub rounds: usize,
+    pub apps: usize,
+    pub worst_takeover: Duration,
+    pub overlaps: usize,
+    /// Faults injected, by kind.
+    pub faults: BTreeMap<String, usize>,
+    /// How the guards ended, by exit code or signal.
+    pub exits: BTreeMap<String, usize>,
+}
+
+impl Summary {
+    pub fn line(&self) -> String {
+        let counts = |map: &BTreeMap<String, usize>| {
+            map.iter()
+                .map(|(k, n)| format!("{k}={n}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        format!(
+            "nemesis backend={} seed={} seconds={} rounds={} apps={} worst_takeover={}ms overlaps={} faults: {} guard exits: {}",
+            self.backend,
+            self.seed,
+            self.seconds,
+            self.rounds,
+            self.apps,
+            self.worst_takeover.as_millis(),
+            self.overlaps,
+            counts(&self.faults),
+            counts(&self.exits),
+        )
+    }
+}
+
+/// Reads a history and nothing else: it knows the line format, not the guard.
+///
+/// An app's life runs from its `start` to its `stop`, or, for one killed without a word, to the
+/// last line it wrote (it may have lived a little longer: the witness lock, whose `overlap` line is
+/// in the history, covers that tail exactly).
+pub mod checker {
+    use std::collections::HashMap;
+
+    pub struct Report {
+        pub apps: usize,
+        pub violations: Vec<String>,
+        /// The longest time from one app's last sign of life to the next app's start.
+        pub worst_takeover_ns: u64,
+    }
+
+    struct Life {
+        name: String,
+        token: String,
+        start: Option<u64>,
+        last: u64,
+        overlap: bool,
+    }
+
+    pub fn beat_after(history: &str, after: u64) -> bool {
+        history.lines().rev().any(|line| {
+            let mut words = line.split_whitespace();
+            let stamp = words.next().and_then(|s| s.parse::<u64>().ok());
+            stamp.is_some_and(|s| s > after)
+                && words.next() == Some("app")
+                && line.ends_with(" beat")
+        })
+    }
+
+    fn ms(ns: u64) -> String {
+        format!("{}.{:03}s", ns / 1_000_000_000, ns / 1_000_000 % 1000)
+    }
+
+    /// The history between `from` and `to` (beats left out but the last one of each app before
+    /// `to`), to show what led to a violation.
+    fn window(history: &str, from: u64, to: u64) -> String {
+        let mut last_beat: HashMap<&str, &str> = HashMap::new();
+        let mut shown = Vec::new();
+        for line in history.lines() {
+            let mut words = line.split_whitespace();
+            let Some(stamp) = words.next().and_then(|s| s.parse::<u64>().ok()) else {
+                continue;
+            };
+            if stamp < from || stamp > to {
+                continue;
+            }
+            if line.ends_with(" beat") {
+                last_beat.insert(line.split_whitespace().nth(2).unwrap_or(""), line);
+            } else {
+                shown.push(line);
+            }
+        }
+        shown.extend(last_beat.values());
+        shown.sort_by_key(|l| {
+            l.split_whitespace()
+                .next()
+                .and_then(|s| s.parse::<u64>().ok())
+        });
+        shown.truncate(80);
+        shown.join("\n")
+    }
+
+    pub fn check(history: &str) -> Report {
+        let mut lives: Vec<Life> = Vec::new();
+        let mut index: HashMap<String, usize> = HashMap::new();
+        let mut violations = Vec::new();
+        for line in history.lines() {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let Some(stamp) = words.first().and_then(|s| s.parse::<u64>().ok()) else {
+                violations.push(format!("unreadable line {line:?}"));
+                continue;
+            };
+            if words.get(1) == Some(&"nemesis") {
+                continue;
+            }
+            let [_, "app", name, token, what] = words[..] else {
+                violations.push(format!("unreadable line {line:?}"));
+                continue;
+            };
+            let i = *index.entry(name.to_owned()).or_insert_with(|| {
+                lives.push(Life {
+                    name: name.to_owned(),
+                    token: token.to_owned(),
+                    start: None,
+                    last: stamp,
+                    overlap: false,
+                });
+                lives.len() - 1
+            });
+            let life = &mut lives[i];
+            life.last = life.last.max(stamp);
+            match what {
+                "start" => life.start = Some(stamp),
+                "overlap" => life.overlap = true,
+                "beat" | "stop" => {}
+                _ => violations.push(format!("unreadable line {line:?}")),
+            }
+        }
+        for life in lives.iter().filter(|l| l.start.is_none()) {
+            violations.push(format!("app {} wrote without a start", life.name));
+        }
+        lives.retain(|l| l.start.is_some());
+        lives.sort_by_key(|l| l.start);
+        let mut worst_takeover_ns = 0;
+        // The life that ends last among those started before: any later start before its end
+        // overlaps it.
+        let mut latest: Option<&Life> = None;
+        let mut last_token: Option<(u64, &Life)> = None;
+        for life in &lives {
+            let start = life.start.unwrap();
+            if life.overlap {
+                violations.push(format!(
+                    "app {} started while a process of an earlier app's tree still held the witness lock\n{}",
+                    life.name,
+                    window(history, start.saturating_sub(5_000_000_000), start + 1_000_000_000)
+                ));
+            }
+            if let Some(before) = latest {
+                if start <= before.last {
+                    violations.push(format!(
+                        "app {} started at {} while app {} lived until {} ({} of overlap)\n{}",
+                        life.name,
+                        ms(start),
+                        before.name,
+                        ms(before.last),
+                        ms(before.last - start),
+                        window(history, before.start.unwrap(), before.last)
+                    ));
+                } else {
+                    worst_takeover_ns = worst_takeover_ns.max(start - before.last);
+                }
+            }
+            match life.token.parse::<u64>() {
+                Err(_) => violations.push(format!("app {} got no fencing token", life.name)),
+                Ok(token) => {
+                    if let Some((previous, by)) = last_token {
+                        if token <= previous {
+                            violations.push(format!(
+                                "app {} got fencing token {token}, not above app {}'s {previous}",
+                                life.name, by.name
+                            ));
+                        }
+                    }
+                    last_token = Some((token, life));
+                }
+            }
+            if latest.is_none_or(|l| life.last > l.last) {
+                latest = Some(life);
+            }
+        }
+        Report {
+            apps: lives.len(),
+            violations,
+            worst_takeover_ns,
+        }
+    }
+}
