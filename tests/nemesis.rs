@@ -95,3 +95,19 @@ fn nemesis_file() {
     needs_the_tools();
     Nemesis::new(Backend::File(Lab::new())).run();
 }
+
+/// The whole chain, from the apps to the checker, can fail: with the takeover delay off, a `KILL` of
+/// the leader's session lets a standby start its app while the leader's still stops (300ms), and
+/// the nemesis must say so.
+#[test]
+fn the_nemesis_reports_the_overlap_a_takeover_delay_of_0s_allows() {
+    needs_the_tools();
+    // `Lab::new`: every guard runs with `--takeover-delay 0s`.
+    let violations = Nemesis::in_lab(Backend::Mysql(MariaDb::start()), Lab::new()).take_away_once();
+    assert!(
+        violations
+            .iter()
+            .any(|v| v.contains("witness lock") || v.contains("lived until")),
+        "no overlap found: {violations:?}"
+    );
+}

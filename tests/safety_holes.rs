@@ -7,9 +7,11 @@ use std::fs;
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::mariadb::{MariaDb, PASSWORD};
+use common::postgres::Postgres;
+use common::proxy::Proxy;
 use common::redis::Redis;
 use common::*;
 
@@ -408,4 +410,101 @@ fn without_a_cgroup_the_guard_says_what_a_sigkill_leaves() {
         1,
         "{log}"
     );
+}
+
+/// Issue item 3, through a real server: the check's answer reaches the leader as late as it still
+/// counts (9s, inside `--check-interval 1s --check-timeout 10s`), and from the moment the server
+/// sent it nothing of the leader reaches the server again. The server counts its session idle from
+/// that answer; the leader counts its deadline from its next question, which is lost. A `--wait`
+/// standby with `--takeover-delay 0s` starts the moment the server frees the lock: it must find the
+/// leader's app dead. With the earlier session timeout (17s for these timings, now 29s) the two apps
+/// overlapped for 2.6s.
+fn a_late_answer_then_silence_frees_the_lock_only_after_the_app_is_dead(
+    server_port: u16,
+    url_via: impl Fn(u16) -> String,
+) {
+    let proxy = Proxy::start(server_port);
+    // `Lab::new`: every guard here runs with `--takeover-delay 0s`.
+    let mut lab = Lab::new();
+    let args = |url: &str| -> Vec<String> {
+        [
+            "--url",
+            url,
+            "--name",
+            "late-answer",
+            "--check-interval",
+            "1s",
+            "--check-timeout",
+            "10s",
+            "--grace-period",
+            "1s",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let (trace, lead_pid, standby_pid) = (lab.path("trace"), lab.path("lead"), lab.path("standby"));
+    let mut leader = lab.spawn(
+        &as_strs(&args(&url_via(proxy.port))),
+        &as_strs(&recording_app(&trace, &lead_pid)),
+    );
+    let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
+    let mut standby = waiting_standby(
+        &mut lab,
+        &as_strs(&args(&url_via(server_port))),
+        &as_strs(&recording_app(&trace, &standby_pid)),
+    );
+
+    proxy.late_answer_then_silence(Duration::from_secs(9));
+    let armed = Instant::now();
+    assert!(
+        wait_until(Duration::from_secs(15), || proxy.answered_late()),
+        "no check answer went through the proxy"
+    );
+    assert!(
+        wait_until(Duration::from_secs(60), || standby_pid.exists()),
+        "the standby never took over: {}",
+        standby.log_text()
+    );
+    let took_over = armed.elapsed();
+    assert!(
+        !alive(lead_app),
+        "the leader's app outlived the standby's start"
+    );
+    assert_eq!(
+        leader.code(Duration::from_secs(10)),
+        75,
+        "{}",
+        leader.log_text()
+    );
+    assert!(
+        leader.log_text().contains("reason=check_timeout"),
+        "{}",
+        leader.log_text()
+    );
+    standby.signal(15);
+    standby.wait(Duration::from_secs(10));
+    assert_eq!(assert_no_overlap(&trace), 2);
+    // The lock was freed by the server's idle timeout, not before: the late answer was sent at most
+    // a check interval after arming, and 29s of idle follow it.
+    assert!(
+        took_over >= Duration::from_secs(28),
+        "the server freed the lock after only {took_over:?}"
+    );
+}
+
+#[test]
+fn mysql_a_late_answer_then_silence_frees_the_lock_only_after_the_app_is_dead() {
+    let db = MariaDb::start();
+    a_late_answer_then_silence_frees_the_lock_only_after_the_app_is_dead(db.port, |port| {
+        db.url_with_port(port)
+    });
+}
+
+#[test]
+fn postgres_a_late_answer_then_silence_frees_the_lock_only_after_the_app_is_dead() {
+    let db = Postgres::start();
+    a_late_answer_then_silence_frees_the_lock_only_after_the_app_is_dead(db.port, |port| {
+        db.url_with_port(port)
+    });
 }

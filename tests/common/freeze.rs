@@ -22,9 +22,14 @@ pub struct Freezer {
 
 impl Freezer {
     /// Creates `/sys/fs/cgroup/freezer/sg-test-<pid>-<n>`; needs root and a v1 freezer hierarchy.
+    /// The first one of a process first empties and removes those a killed test process left
+    /// (its pid no longer runs, or now runs this process): their trees would stay frozen for ever.
     pub fn create() -> Freezer {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        if n == 0 {
+            remove_stale();
+        }
         let dir = Path::new(FREEZER_ROOT).join(format!("sg-test-{}-{n}", std::process::id()));
         fs::create_dir(&dir).unwrap_or_else(|e| {
             panic!(
@@ -115,6 +120,26 @@ impl Drop for Freezer {
                 self.dir.display(),
                 self.procs()
             );
+        }
+    }
+}
+
+fn remove_stale() {
+    let Ok(listed) = fs::read_dir(FREEZER_ROOT) else {
+        return;
+    };
+    for entry in listed.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix("sg-test-")
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if !super::alive(pid) || pid == std::process::id() as i32 {
+            // Dropping it thaws it, kills what is in it and removes it.
+            drop(Freezer { dir: entry.path() });
         }
     }
 }

@@ -39,30 +39,48 @@ const LOCK: &str = "nemesis";
 /// measures with these timings is 14.2s (a partition on MySQL: the session timeout, then the old
 /// holder's bound); a server restarted meanwhile and a guard started again add seconds.
 const LIVENESS: Duration = Duration::from_secs(45);
-/// A fault lasts at most this long. A whole tree frozen for longer than the standby's takeover
-/// wait (the lock's life plus the old holder's bound, 7s at the least here) is the documented
-/// limit of docs/guarantees.md ("Frozen or suspended past the deadline"), not a fault the guard
-/// claims to survive.
+/// A fault lasts at most this long.
 const LONGEST_FAULT: Duration = Duration::from_secs(3);
+/// A whole tree is frozen at most this long. A standby may take a lock the backend took away at
+/// once and wait only the old holder's bound (3s with the shortest timings here: check interval
+/// 200ms + check timeout 800ms + grace period 2s); a tree thawed after that wait ended is the
+/// documented limit of docs/guarantees.md ("Frozen or suspended past the deadline"), not a fault
+/// the guard claims to survive. Thawing comes first at every heal, so nothing lengthens a freeze.
+const LONGEST_FREEZE: Duration = Duration::from_secs(2);
+/// Liveness: once the faults heal, one app must still beat this long after the heal (longer than
+/// any detection plus grace period here), so an app that is about to be stopped does not count.
+const SETTLED: Duration = Duration::from_secs(5);
 
-/// The recording app. It takes the witness lock before it records its start; every earlier app
-/// held it for as long as any process of its tree lived, so a start that finds it taken is an
-/// overlap whatever the stamps say (the exact check for an app that was SIGKILLed and wrote no
-/// stop). It stops 300ms after SIGTERM, as an app finishing its work does.
+/// The recording app's first instructions, in the shell the guard starts: take the witness lock on
+/// descriptor 9, which every process of the app inherits, then become the Python app. Every earlier
+/// app held the witness for as long as any process of its tree lived, so a start that finds it
+/// taken is an overlap whatever the stamps say: the exact check for an app that was SIGKILLed and
+/// wrote no stop, taken within a millisecond of the exec.
+const WITNESS: &str =
+    "exec 9>>\"$1\"; shift; flock -n -x 9 || export NEMESIS_OVERLAP=1; exec python3 \"$@\"";
+
+/// The recording app: a start (and `overlap` if the witness was taken), a beat every 50ms, a stop
+/// 300ms after SIGTERM, as an app finishing its work does. It also leaves a helper that escapes its
+/// process group (`setsid`), holds the witness and beats under the app's name: the guard must stop
+/// it with the app, and a helper that outlives its app extends that app's life in the history.
 const APP: &str = r#"
-import fcntl, os, signal, sys, time
-history, witness, name = sys.argv[1], sys.argv[2], sys.argv[3]
+import os, signal, subprocess, sys, time
+history, name = sys.argv[1], sys.argv[2]
 token = os.environ.get("SENTINEL_GUARD_FENCING_TOKEN", "none")
 out = os.open(history, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 def record(what):
     os.write(out, f"{time.monotonic_ns()} app {name} {token} {what}\n".encode())
-held = os.open(witness, os.O_WRONLY | os.O_CREAT, 0o644)
-try:
-    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    record("start")
-except BlockingIOError:
-    record("start")
+record("start")
+if os.environ.get("NEMESIS_OVERLAP"):
     record("overlap")
+HELPER = """
+import os, sys, time
+out = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND)
+while True:
+    os.write(out, f"{time.monotonic_ns()} app {sys.argv[2]} {sys.argv[3]} beat\\n".encode())
+    time.sleep(0.2)
+"""
+subprocess.Popen([sys.executable, "-c", HELPER, history, name, token], start_new_session=True, pass_fds=(9,))
 def stop(signum, frame):
     time.sleep(0.3)
     record("stop")
@@ -151,21 +169,13 @@ struct Slot {
     started: usize,
 }
 
-impl Drop for Slot {
-    /// A frozen or stopped guard could not be killed and waited for: thaw and continue it first.
-    fn drop(&mut self) {
-        let _ = fs::write(self.freezer.dir().join("freezer.state"), "THAWED");
-        if let Some(guard) = &self.guard {
-            signal(guard.pid(), Signal::SIGCONT);
-        }
-    }
-}
-
 pub struct Nemesis {
+    // Field order is drop order: the slots (after `Drop` has killed their guards) go before the
+    // servers and the directory the apps write to.
+    slots: Vec<Slot>,
     backend: Backend,
     lab: Lab,
     history: PathBuf,
-    slots: Vec<Slot>,
     rng: StdRng,
     seed: u64,
     faults: BTreeMap<String, usize>,
@@ -207,13 +217,18 @@ fn describe_exit(status: ExitStatus) -> String {
 }
 
 impl Nemesis {
+    /// Guards with every default, the takeover setting included.
     pub fn new(backend: Backend) -> Nemesis {
+        Nemesis::in_lab(backend, Lab::with_default_takeover())
+    }
+
+    /// Guards started as `lab` starts them (`Lab::new`: with the takeover delay off).
+    pub fn in_lab(backend: Backend, lab: Lab) -> Nemesis {
         let seed = seed();
         eprintln!(
             "nemesis backend={} seed={seed} (SENTINEL_NEMESIS_SEED={seed} replays it)",
             backend.name()
         );
-        let lab = Lab::with_default_takeover();
         let history = lab.path("history");
         fs::write(lab.path("app.py"), APP).unwrap();
         let slots = (0..GUARDS)
@@ -281,9 +296,13 @@ impl Nemesis {
         let history = self.history.display().to_string();
         let witness = self.lab.path("witness").display().to_string();
         let script = self.lab.path("app.py").display().to_string();
-        let app = ["python3", &script, &history, &witness, &name];
+        let app = [
+            "sh", "-c", WITNESS, "sh", &witness, &script, &history, &name,
+        ];
         let cmd = self.lab.command(&as_strs(&args), &app);
         let cmd = launched_by(&cmd, "nsenter", &[&slot.host.nsenter_arg()]);
+        // A guard whose test died (SIGINT, a timeout) dies with it, and its watchdog takes its tree.
+        let cmd = launched_by(&cmd, "setpriv", &["--pdeathsig", "KILL", "--"]);
         let cmd = slot.freezer.command(&cmd);
         slot.guard = Some(self.lab.start(cmd));
         slot.exited = None;
@@ -373,13 +392,15 @@ impl Nemesis {
         }
     }
 
-    fn apply(&mut self, fault: Fault) {
+    /// Injects `fault`; false if there was nothing for it to act on (no guard in the slot, no
+    /// holder to take the lock from), so it is not counted.
+    fn apply(&mut self, fault: Fault) -> bool {
         match fault {
             Fault::Partition(slot, direction) => self.slots[slot].host.partition(direction),
             Fault::Loss(slot) => self.slots[slot].host.lose(0.3),
             Fault::Delay(slot, ms) => {
                 for relay in &self.slots[slot].relays {
-                    relay.set_delay(Duration::from_millis(ms));
+                    relay.set_delay(Duration::from_millis(ms), Duration::from_millis(ms / 2));
                 }
             }
             Fault::GuardStop(slot) | Fault::GuardKill(slot) | Fault::GuardTerm(slot) => {
@@ -388,9 +409,10 @@ impl Nemesis {
                     Fault::GuardKill(_) => Signal::SIGKILL,
                     _ => Signal::SIGTERM,
                 };
-                if let Some(pid) = self.guard_pid(slot) {
-                    signal(pid, sig);
-                }
+                let Some(pid) = self.guard_pid(slot) else {
+                    return false;
+                };
+                signal(pid, sig);
             }
             Fault::TreeFreeze(slot) => self.slots[slot].freezer.freeze(),
             Fault::ServerKill(member) => match &mut self.backend {
@@ -401,30 +423,32 @@ impl Nemesis {
                 Backend::File(_) => unreachable!("no server"),
             },
             Fault::ServerStop => self.signal_server(Signal::SIGSTOP),
-            Fault::TakeAway => match &self.backend {
-                Backend::Mysql(db) => {
-                    if let Some(conn) = db.holder_of(LOCK) {
-                        db.sql(&format!("KILL {conn}"));
+            Fault::TakeAway => {
+                return match &self.backend {
+                    Backend::Mysql(db) => db
+                        .holder_of(LOCK)
+                        .map(|conn| db.sql(&format!("KILL {conn}")))
+                        .is_some(),
+                    Backend::Postgres(db) => db
+                        .holder_of(LOCK)
+                        .map(|pid| db.sql(&format!("SELECT pg_terminate_backend({pid})")))
+                        .is_some(),
+                    Backend::Redis(redis) => {
+                        redis
+                            .cli(&["DEL", &format!("sentinel-guard:{{{LOCK}}}")])
+                            .trim()
+                            == "1"
                     }
-                }
-                Backend::Postgres(db) => {
-                    if let Some(pid) = db.holder_of(LOCK) {
-                        db.sql(&format!("SELECT pg_terminate_backend({pid})"));
+                    Backend::Etcd(etcd) => {
+                        let mut del = etcd.ctl();
+                        del.args(["del", &format!("sentinel-guard/lock/{LOCK}")]);
+                        stdout_of(del).is_some_and(|out| out.trim() == "1")
                     }
-                }
-                Backend::Redis(redis) => {
-                    redis.cli(&["DEL", &format!("sentinel-guard:{{{LOCK}}}")]);
-                }
-                Backend::Etcd(etcd) => {
-                    let mut del = etcd.ctl();
-                    del.args(["del", &format!("sentinel-guard/lock/{LOCK}")]);
-                    must_run(del, "etcdctl del");
-                }
-                Backend::File(files) => {
-                    let _ = fs::remove_file(files.path("backend.lock"));
-                }
-            },
+                    Backend::File(files) => fs::remove_file(files.path("backend.lock")).is_ok(),
+                };
+            }
         }
+        true
     }
 
     fn heal(&mut self, fault: Fault) {
@@ -432,7 +456,7 @@ impl Nemesis {
             Fault::Partition(slot, _) | Fault::Loss(slot) => self.slots[slot].host.heal(),
             Fault::Delay(slot, _) => {
                 for relay in &self.slots[slot].relays {
-                    relay.set_delay(Duration::ZERO);
+                    relay.set_delay(Duration::ZERO, Duration::ZERO);
                 }
             }
             Fault::GuardStop(slot) => {
@@ -464,8 +488,9 @@ impl Nemesis {
         }
     }
 
-    /// One round: one fault, or two at once on different targets, held for up to `LONGEST_FAULT`,
-    /// healed in reverse order; then some app must beat within `LIVENESS` of the heal.
+    /// One round: one fault, or two at once on different targets, held for up to `LONGEST_FAULT`
+    /// (a freeze up to `LONGEST_FREEZE`), healed, thaw first; then an app must beat `SETTLED`
+    /// after the heal, within `LIVENESS` of it.
     fn round(&mut self) {
         let first = self.draw();
         let mut faults = vec![first];
@@ -475,22 +500,31 @@ impl Nemesis {
                 faults.push(second);
             }
         }
-        for fault in &faults {
+        let longest = if faults.iter().any(|f| matches!(f, Fault::TreeFreeze(_))) {
+            LONGEST_FREEZE
+        } else {
+            LONGEST_FAULT
+        };
+        let hold = self.rng.random_range(200..=longest.as_millis() as u64);
+        faults.retain(|fault| {
             self.note(&format!("{} begin", fault.describe()));
-            self.apply(*fault);
-            *self.faults.entry(fault.kind()).or_default() += 1;
-        }
-        let hold = self
-            .rng
-            .random_range(200..=LONGEST_FAULT.as_millis() as u64);
+            let applied = self.apply(*fault);
+            if applied {
+                *self.faults.entry(fault.kind()).or_default() += 1;
+            } else {
+                self.note(&format!("{} not_applied", fault.describe()));
+            }
+            applied
+        });
         self.pass(Duration::from_millis(hold));
-        for fault in faults.iter().rev() {
+        faults.sort_by_key(|fault| !matches!(fault, Fault::TreeFreeze(_)));
+        for fault in &faults {
             self.heal(*fault);
             self.note(&format!("{} end", fault.describe()));
         }
-        let healed = now_ns();
+        let settled = now_ns() + SETTLED.as_nanos() as u64;
         let limit = Instant::now() + LIVENESS;
-        while !checker::beat_after(&fs::read_to_string(&self.history).unwrap(), healed) {
+        while !checker::beat_after(&fs::read_to_string(&self.history).unwrap(), settled) {
             assert!(
                 Instant::now() < limit,
                 "seed {}: no app ran within {LIVENESS:?} of the heal\n{}",
@@ -531,11 +565,46 @@ impl Nemesis {
         while Instant::now() < deadline {
             self.round();
         }
-        self.finish()
+        let (summary, violations) = self.finish();
+        let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("nemesis");
+        fs::create_dir_all(&out).unwrap();
+        fs::write(
+            out.join(format!("{}.txt", summary.backend)),
+            format!("{}\n", summary.line()),
+        )
+        .unwrap();
+        assert!(
+            violations.is_empty(),
+            "seed {}: {}",
+            summary.seed,
+            violations.join("\n\n")
+        );
+        assert!(summary.apps > 0, "seed {}: no app ever ran", summary.seed);
+        summary
     }
 
-    /// Stops every guard with SIGTERM, checks nothing of theirs is left, and judges the history.
-    fn finish(mut self) -> Summary {
+    /// The lock taken away once, under an app that has run a second; the violations the history
+    /// then shows. For checking that the whole chain, from the app to the checker, can fail.
+    pub fn take_away_once(mut self) -> Vec<String> {
+        for i in 0..GUARDS {
+            self.spawn(i);
+        }
+        let started = now_ns();
+        assert!(wait_until(Duration::from_secs(20), || checker::beat_after(
+            &fs::read_to_string(&self.history).unwrap_or_default(),
+            started + 1_000_000_000
+        )));
+        assert!(
+            self.apply(Fault::TakeAway),
+            "no holder to take the lock from"
+        );
+        self.pass(Duration::from_secs(3));
+        self.finish().1
+    }
+
+    /// Stops every guard with SIGTERM, checks nothing of theirs is left, and judges the history:
+    /// the summary, and the violations found.
+    fn finish(mut self) -> (Summary, Vec<String>) {
         for slot in &mut self.slots {
             if let Some(guard) = &mut slot.guard {
                 signal(guard.pid(), Signal::SIGTERM);
@@ -568,21 +637,29 @@ impl Nemesis {
             exits: std::mem::take(&mut self.exits),
         };
         eprintln!("{}", summary.line());
-        let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("nemesis");
-        fs::create_dir_all(&out).unwrap();
-        fs::write(
-            out.join(format!("{}.txt", summary.backend)),
-            format!("{}\n", summary.line()),
-        )
-        .unwrap();
-        assert!(
-            report.violations.is_empty(),
-            "seed {}: {}",
-            self.seed,
-            report.violations.join("\n\n")
-        );
-        assert!(report.apps > 0, "seed {}: no app ever ran", self.seed);
-        summary
+        (summary, report.violations)
+    }
+}
+
+impl Drop for Nemesis {
+    /// On a panic too: every guard is thawed, continued, killed and reaped (a frozen or stopped one
+    /// could not be), then whatever of their trees is left is killed.
+    fn drop(&mut self) {
+        for slot in &mut self.slots {
+            let _ = fs::write(slot.freezer.dir().join("freezer.state"), "THAWED");
+            if let Some(guard) = slot.guard.take() {
+                signal(guard.pid(), Signal::SIGCONT);
+                drop(guard);
+            }
+        }
+        let dir = self.lab.dir.path().to_owned();
+        wait_until(Duration::from_secs(5), || {
+            let left = survivors(&dir);
+            for pid in &left {
+                signal(*pid, Signal::SIGKILL);
+            }
+            left.is_empty()
+        });
     }
 }
 
@@ -647,23 +724,32 @@ pub mod checker {
         overlap: bool,
     }
 
+    /// Whether an app beat after `after`. Lines are appended in about the order of their stamps,
+    /// so the search stops a second before `after`.
     pub fn beat_after(history: &str, after: u64) -> bool {
-        history.lines().rev().any(|line| {
+        for line in history.lines().rev() {
             let mut words = line.split_whitespace();
-            let stamp = words.next().and_then(|s| s.parse::<u64>().ok());
-            stamp.is_some_and(|s| s > after)
-                && words.next() == Some("app")
-                && line.ends_with(" beat")
-        })
+            let Some(stamp) = words.next().and_then(|s| s.parse::<u64>().ok()) else {
+                continue;
+            };
+            if stamp > after && words.next() == Some("app") && line.ends_with(" beat") {
+                return true;
+            }
+            if stamp + 1_000_000_000 < after {
+                return false;
+            }
+        }
+        false
     }
 
     fn ms(ns: u64) -> String {
         format!("{}.{:03}s", ns / 1_000_000_000, ns / 1_000_000 % 1000)
     }
 
-    /// The history between `from` and `to` (beats left out but the last one of each app before
-    /// `to`), to show what led to a violation.
-    fn window(history: &str, from: u64, to: u64) -> String {
+    /// The history from 5s before `at` to 1s after it (beats left out but the last one of each app),
+    /// at most its last 80 lines: what led to a violation at `at`.
+    fn window(history: &str, at: u64) -> String {
+        let (from, to) = (at.saturating_sub(5_000_000_000), at + 1_000_000_000);
         let mut last_beat: HashMap<&str, &str> = HashMap::new();
         let mut shown = Vec::new();
         for line in history.lines() {
@@ -686,8 +772,8 @@ pub mod checker {
                 .next()
                 .and_then(|s| s.parse::<u64>().ok())
         });
-        shown.truncate(80);
-        shown.join("\n")
+        let keep = shown.len().saturating_sub(80);
+        shown.split_off(keep).join("\n")
     }
 
     pub fn check(history: &str) -> Report {
@@ -720,6 +806,9 @@ pub mod checker {
             let life = &mut lives[i];
             life.last = life.last.max(stamp);
             match what {
+                "start" if life.start.is_some() => {
+                    violations.push(format!("app {name} started twice"));
+                }
                 "start" => life.start = Some(stamp),
                 "overlap" => life.overlap = true,
                 "beat" | "stop" => {}
@@ -742,7 +831,7 @@ pub mod checker {
                 violations.push(format!(
                     "app {} started while a process of an earlier app's tree still held the witness lock\n{}",
                     life.name,
-                    window(history, start.saturating_sub(5_000_000_000), start + 1_000_000_000)
+                    window(history, start)
                 ));
             }
             if let Some(before) = latest {
@@ -754,7 +843,7 @@ pub mod checker {
                         before.name,
                         ms(before.last),
                         ms(before.last - start),
-                        window(history, before.start.unwrap(), before.last)
+                        window(history, start)
                     ));
                 } else {
                     worst_takeover_ns = worst_takeover_ns.max(start - before.last);
@@ -766,8 +855,10 @@ pub mod checker {
                     if let Some((previous, by)) = last_token {
                         if token <= previous {
                             violations.push(format!(
-                                "app {} got fencing token {token}, not above app {}'s {previous}",
-                                life.name, by.name
+                                "app {} got fencing token {token}, not above app {}'s {previous}\n{}",
+                                life.name,
+                                by.name,
+                                window(history, start)
                             ));
                         }
                     }

@@ -39,7 +39,8 @@ pub struct Host {
 }
 
 /// The namespaces this process makes are named `sgnem-<pid>-<n>`: one left by a test process that
-/// was killed (its pid no longer runs) is removed before a new one is made, with its veth pair.
+/// was killed (its pid no longer runs, or now runs this process) is removed before a new one is
+/// made, with its veth pair, once whatever still runs in it is killed.
 fn remove_stale() {
     let Ok(listed) = fs::read_dir("/run/netns") else {
         return;
@@ -53,7 +54,21 @@ fn remove_stale() {
         else {
             continue;
         };
-        if !alive(pid) {
+        if !alive(pid) || pid == std::process::id() as i32 {
+            let pids = Command::new("ip")
+                .args(["netns", "pids", &name])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default();
+            for pid in pids
+                .split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+            {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
             let _ = quiet(Command::new("ip").args(["netns", "del", &name]));
         }
     }
@@ -93,12 +108,22 @@ impl Host {
             format!("sg{}h{n}", pid % 100_000),
             format!("sg{}g{n}", pid % 100_000),
         );
-        // One /30 per host in 10.<100 + pid % 100>.0.0/16: hosts of two processes rarely share a
-        // subnet, and a host of a killed process is removed above before it could.
-        let subnet = format!("10.{}.{}.{}", 100 + pid % 100, n / 64, (n % 64) * 4);
-        let base: Vec<u32> = subnet.split('.').map(|o| o.parse().unwrap()).collect();
-        let at = |last: u32| format!("{}.{}.{}.{}", base[0], base[1], base[2], base[3] + last);
-        let (gateway, address) = (at(1), at(2));
+        // One /30 per host in 10.<100 + pid % 100>.0.0/16, skipping any /30 whose gateway address
+        // this namespace already has (another test process whose pid ends alike).
+        let taken = Command::new("ip")
+            .args(["-o", "-4", "addr", "show"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        let (gateway, address) = (0..64 * 256)
+            .map(|k| {
+                let octet =
+                    |j: u32| format!("10.{}.{}.{}", 100 + pid % 100, k / 64, (k % 64) * 4 + j);
+                (octet(1), octet(2))
+            })
+            .skip(n as usize)
+            .find(|(gateway, _)| !taken.contains(&format!("inet {gateway}/")))
+            .expect("a free /30 for a test host");
         ip(&["netns", "add", &name]);
         let host = Host {
             name,
@@ -140,7 +165,7 @@ impl Host {
 
     fn iptables(&self, args: &[&str]) {
         let out = Command::new("ip")
-            .args(["netns", "exec", &self.name, "iptables", "-w"])
+            .args(["netns", "exec", &self.name, "iptables", "-w", "5"])
             .args(args)
             .output()
             .expect("iptables");

@@ -1,6 +1,7 @@
 //! A TCP proxy between the guard and its server that can go silent: bytes stop flowing both ways
 //! while every socket stays open, as in a network partition. It can also hold every chunk back for a
-//! while, as a slow link does (the nemesis's delay, where the kernel has no `netem`).
+//! while, as a slow link does (the nemesis's delay, where the kernel has no `netem`), or deliver one
+//! answer as late as a check accepts and then go silent (`late_answer_then_silence`).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -11,11 +12,25 @@ use std::time::{Duration, Instant};
 
 use super::{alive, as_strs, read_pid, recording_app, wait_until, Lab, FAST};
 
+/// What the proxy does to the bytes it carries, shared by the pumps of every connection.
+#[derive(Default)]
+struct Link {
+    /// Nothing passes either way.
+    silent: AtomicBool,
+    /// Nothing passes from the client to the server.
+    upstream_silent: AtomicBool,
+    /// Milliseconds each chunk waits before it is passed on, and up to how many more at random.
+    delay_ms: AtomicU64,
+    jitter_ms: AtomicU64,
+    /// Armed by `late_answer_then_silence`: how late the server's next chunk is passed on.
+    late_answer_ms: AtomicU64,
+    /// Set once that late chunk has been passed on.
+    answered_late: AtomicBool,
+}
+
 pub struct Proxy {
     pub port: u16,
-    silent: Arc<AtomicBool>,
-    /// Milliseconds each chunk waits before it is passed on.
-    delay_ms: Arc<AtomicU64>,
+    link: Arc<Link>,
 }
 
 impl Proxy {
@@ -27,10 +42,8 @@ impl Proxy {
     pub fn listening_on(address: &str, upstream_port: u16) -> Proxy {
         let listener = TcpListener::bind(address).unwrap();
         let port = listener.local_addr().unwrap().port();
-        let silent = Arc::new(AtomicBool::new(false));
-        let delay_ms = Arc::new(AtomicU64::new(0));
-        let flag = silent.clone();
-        let delay = delay_ms.clone();
+        let link = Arc::new(Link::default());
+        let shared = link.clone();
         thread::spawn(move || {
             for client in listener.incoming().flatten() {
                 let Ok(server) = TcpStream::connect(("127.0.0.1", upstream_port)) else {
@@ -40,32 +53,49 @@ impl Proxy {
                 pump(
                     client.try_clone().unwrap(),
                     server.try_clone().unwrap(),
-                    flag.clone(),
-                    delay.clone(),
+                    shared.clone(),
+                    false,
                 );
-                pump(server, client, flag.clone(), delay.clone());
+                pump(server, client, shared.clone(), true);
             }
         });
-        Proxy {
-            port,
-            silent,
-            delay_ms,
-        }
+        Proxy { port, link }
     }
 
-    /// From now on, every chunk read in either direction is passed on `delay` later.
-    pub fn set_delay(&self, delay: Duration) {
-        self.delay_ms
+    /// From now on, every chunk read in either direction is passed on `delay` later, plus up to
+    /// `jitter` more at random.
+    pub fn set_delay(&self, delay: Duration, jitter: Duration) {
+        self.link
+            .delay_ms
             .store(delay.as_millis() as u64, Ordering::SeqCst);
+        self.link
+            .jitter_ms
+            .store(jitter.as_millis() as u64, Ordering::SeqCst);
     }
 
     /// From now on, every byte in either direction is dropped; no connection is closed.
     pub fn partition(&self) {
-        self.silent.store(true, Ordering::SeqCst);
+        self.link.silent.store(true, Ordering::SeqCst);
+    }
+
+    /// The worst a partition can follow: the server's next answer reaches the client `late` after
+    /// the server sent it; from the moment it was sent nothing more reaches the server, and once
+    /// it has been passed on nothing passes either way. The server counts its idle time from its
+    /// answer, the client from its next question, which is lost.
+    pub fn late_answer_then_silence(&self, late: Duration) {
+        self.link
+            .late_answer_ms
+            .store(late.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// Whether the late answer of `late_answer_then_silence` has been passed on.
+    pub fn answered_late(&self) -> bool {
+        self.link.answered_late.load(Ordering::SeqCst)
     }
 }
 
-fn pump(mut from: TcpStream, mut to: TcpStream, silent: Arc<AtomicBool>, delay_ms: Arc<AtomicU64>) {
+/// Carries bytes from `from` to `to` as `link` says; `to_client` is the server's direction.
+fn pump(mut from: TcpStream, mut to: TcpStream, link: Arc<Link>, to_client: bool) {
     thread::spawn(move || {
         let mut buf = [0u8; 16 * 1024];
         loop {
@@ -73,10 +103,26 @@ fn pump(mut from: TcpStream, mut to: TcpStream, silent: Arc<AtomicBool>, delay_m
                 Ok(0) | Err(_) => break,
                 Ok(n) => n,
             };
-            if silent.load(Ordering::SeqCst) {
+            if link.silent.load(Ordering::SeqCst)
+                || (!to_client && link.upstream_silent.load(Ordering::SeqCst))
+            {
                 continue;
             }
-            let delay = delay_ms.load(Ordering::SeqCst);
+            let late = if to_client {
+                link.late_answer_ms.swap(0, Ordering::SeqCst)
+            } else {
+                0
+            };
+            if late > 0 {
+                link.upstream_silent.store(true, Ordering::SeqCst);
+                thread::sleep(Duration::from_millis(late));
+                let _ = to.write_all(&buf[..n]);
+                link.silent.store(true, Ordering::SeqCst);
+                link.answered_late.store(true, Ordering::SeqCst);
+                continue;
+            }
+            let jitter = link.jitter_ms.load(Ordering::SeqCst);
+            let delay = link.delay_ms.load(Ordering::SeqCst) + rand::random_range(0..=jitter);
             if delay > 0 {
                 thread::sleep(Duration::from_millis(delay));
             }
@@ -84,7 +130,7 @@ fn pump(mut from: TcpStream, mut to: TcpStream, silent: Arc<AtomicBool>, delay_m
                 break;
             }
         }
-        if !silent.load(Ordering::SeqCst) {
+        if !link.silent.load(Ordering::SeqCst) {
             let _ = to.shutdown(Shutdown::Write);
         }
     });
