@@ -62,6 +62,8 @@ enum Fault {
     LockFileDelete,
     LockFileReplace,
     Partition,
+    /// A check's answer passed on as late as it still counts, then silence (issue 26, item 3).
+    LateAnswer,
 }
 
 /// What a fault must lead to.
@@ -125,7 +127,8 @@ struct Measured {
 
 fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
     let mut backend = kind.start();
-    let proxy = (fault == Fault::Partition).then(|| Proxy::start(port_of(&backend)));
+    let proxy = matches!(fault, Fault::Partition | Fault::LateAnswer)
+        .then(|| Proxy::start(port_of(&backend)));
     let direct = backend.url();
     let leader_url = proxy
         .as_ref()
@@ -239,6 +242,12 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
             }
         }
         Fault::Partition => proxy.as_ref().unwrap().partition(),
+        // The check's budget is check-interval 200ms + check-timeout 800ms, and the server answers
+        // a check 200ms after the question: 700ms late, it arrives 900ms after it.
+        Fault::LateAnswer => proxy
+            .as_ref()
+            .unwrap()
+            .late_answer_then_silence(Duration::from_millis(700)),
     }
 
     let limit = Duration::from_secs(20);
@@ -580,6 +589,18 @@ fn network_partition() {
             (Kind::Postgres, STOPS_AND_HANDS_OVER),
             (Kind::Redis, STOPS_AND_HANDS_OVER),
             (Kind::Etcd, STOPS_AND_HANDS_OVER),
+        ],
+    );
+}
+
+#[test]
+fn late_answer_then_silence() {
+    row(
+        Fault::LateAnswer,
+        "a check's answer 700ms late (within its budget), then silence",
+        &[
+            (Kind::Mysql, STOPS_AND_HANDS_OVER),
+            (Kind::Postgres, STOPS_AND_HANDS_OVER),
         ],
     );
 }

@@ -508,3 +508,217 @@ fn postgres_a_late_answer_then_silence_frees_the_lock_only_after_the_app_is_dead
         db.url_with_port(port)
     });
 }
+
+/// Uses up connection ids on `db` until its next connection gets `id`: the server hands ids out in
+/// order, and each `SELECT CONNECTION_ID()` is a connection of its own. Panics if the server is
+/// already past `id`.
+fn next_connection_gets(db: &MariaDb, id: u64) {
+    loop {
+        let current: u64 = db.sql("SELECT CONNECTION_ID()").parse().unwrap();
+        assert!(
+            current < id,
+            "the server is already past connection id {id}"
+        );
+        if current + 1 == id {
+            return;
+        }
+    }
+}
+
+/// Issue item 4: after the lock's address moves to another server, the lock session's connection id
+/// can be a stranger's there. The release interrupts its own check with `KILL QUERY <id>` only
+/// once it has proven, on the side connection's server, that the id still runs this guard's check:
+/// a stranger holding that id behind a rerouting proxy keeps its query.
+#[test]
+fn the_release_never_interrupts_a_strangers_query_under_a_reused_connection_id() {
+    let (first, second) = (MariaDb::start(), MariaDb::start());
+    // Ids well past anything either server's own set-up used.
+    next_connection_gets(&first, 40);
+    let proxy = Proxy::start(first.port);
+    let mut lab = Lab::new();
+    let url = first.url_with_port(proxy.port);
+    // A long check interval: at the release, the check's `SLEEP` is still running and the guard
+    // interrupts it from a side connection.
+    let args = lock_args(&url, "stranger", &["--check-interval", "10s"]);
+    let mut cmd = lab.command(&args, &["sleep", "600"]);
+    // At debug level the interrupter says what it found on the server it reached.
+    cmd.env("SENTINEL_GUARD_LOG", "sentinel_guard=debug");
+    let mut guard = lab.start(cmd);
+    assert!(
+        wait_until(Duration::from_secs(10), || first
+            .holder_of("stranger")
+            .is_some()),
+        "{}",
+        guard.log_text()
+    );
+    let id = first.holder_of("stranger").unwrap();
+
+    proxy.reroute(second.port);
+    next_connection_gets(&second, id);
+    // The stranger holds a lock of the same name, as a guard on the new server would, so only the
+    // proof's second half (the id runs this guard's check) tells it apart. It says its id before
+    // it sleeps: until then no other connection may be made, or it could take the id first.
+    let mut query =
+        second.client("SELECT GET_LOCK('stranger', 0); SELECT CONNECTION_ID(); SELECT SLEEP(600)");
+    query
+        .arg("--unbuffered")
+        .stdout(std::process::Stdio::piped());
+    let mut stranger = query.spawn().unwrap();
+    let mut said =
+        std::io::BufRead::lines(std::io::BufReader::new(stranger.stdout.take().unwrap()));
+    let mut line = || said.next().unwrap().unwrap();
+    assert_eq!(line(), "1", "the stranger did not get the lock");
+    assert_eq!(line(), id.to_string(), "the stranger got another id");
+    let sleeping = format!(
+        "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = {id} AND INFO LIKE 'SELECT SLEEP(600)%'"
+    );
+    assert!(
+        wait_until(Duration::from_secs(5), || second.sql(&sleeping) == "1"),
+        "the stranger's query does not run"
+    );
+
+    let stopped = Instant::now();
+    guard.signal(15);
+    guard.wait(Duration::from_secs(20));
+    let log = guard.log_text();
+    assert!(log.contains("event=\"lock_released\""), "{log}");
+    // The interrupter reached the second server and found the proof wanting there.
+    assert!(
+        log.contains("does not name the lock's session running this guard's check")
+            && !log.contains("could not interrupt the check sleep"),
+        "{log}"
+    );
+    assert_eq!(
+        second.sql(&sleeping),
+        "1",
+        "the release interrupted the stranger's query: {}",
+        guard.log_text()
+    );
+    assert!(
+        stranger.try_wait().unwrap().is_none(),
+        "the stranger's client ended"
+    );
+    // The guard's own check was not interrupted either (no proof on the wrong server): its release
+    // waited for the sleep to end, within the check interval.
+    assert!(stopped.elapsed() < Duration::from_secs(15));
+    let _ = stranger.kill();
+    let _ = stranger.wait();
+}
+
+/// Issue items 8a and 8b: a guard frozen at a point of the app's start (`SENTINEL_TEST_PAUSE_AT`,
+/// a pause point of debug builds) until the backend has freed its lock and a `--wait` standby with
+/// `--takeover-delay 0s` has started its app, then continued.
+/// - `before_fork`: the old app never runs. Its watchdog is frozen too, so it cannot end at the
+///   deadline and spoil the pipe: what refuses is the app's process, which reads the clock itself
+///   before it execs (`noticed_by="app_process"`).
+/// - `after_spawn`: the old app was running, and the watchdog, which had the deadline before the
+///   fork, stopped it before the standby's app started.
+///
+/// Either way the continued guard exits 75 and leaves the standby's app alone.
+fn a_guard_frozen_at_the_apps_start_never_runs_it_beside_a_standbys(
+    backend: &Backend,
+    point: &str,
+) {
+    if !cfg!(debug_assertions) {
+        eprintln!("skipped: the pause points exist in debug builds only");
+        return;
+    }
+    // `Lab::new`: `--takeover-delay 0s`, so the standby starts the moment the backend grants.
+    let mut lab = Lab::new();
+    let url = backend.url();
+    let mut args = vec!["--url", url.as_str(), "--name", "paused"];
+    args.extend(backend.fast_args());
+    let (trace, lead_pid, standby_pid) = (lab.path("trace"), lab.path("lead"), lab.path("standby"));
+    let mut cmd = lab.command(&args, &as_strs(&recording_app(&trace, &lead_pid)));
+    cmd.env("SENTINEL_TEST_PAUSE_AT", point)
+        .env("SENTINEL_GUARD_LOG", "sentinel_guard=debug");
+    let mut leader = lab.start(cmd);
+    assert!(
+        wait_until(Duration::from_secs(10), || procs::state(leader.pid())
+            == Some('T')),
+        "the guard never reached {point}: {}",
+        leader.log_text()
+    );
+    let watchdog = procs::watchdog_of(leader.pid(), Duration::from_secs(5));
+    let before_fork = point == "before_fork";
+    if before_fork {
+        send(watchdog, 19);
+    }
+    let mut standby = lab.spawn(
+        &[args.as_slice(), &["--wait"]].concat(),
+        &as_strs(&recording_app(&trace, &standby_pid)),
+    );
+    assert!(
+        wait_until(Duration::from_secs(30), || standby_pid.exists()),
+        "the standby never took over: {}",
+        standby.log_text()
+    );
+    let standby_app = read_pid(&standby_pid, Duration::from_secs(1));
+    if before_fork {
+        leader.signal(18);
+        assert!(
+            wait_until(Duration::from_secs(10), || leader
+                .log_text()
+                .contains("event=\"app_not_started\" noticed_by=\"app_process\"")),
+            "the app's process did not refuse on its own clock: {}",
+            leader.log_text()
+        );
+        send(watchdog, 18);
+    } else {
+        let lead_app = read_pid(&lead_pid, Duration::from_secs(1));
+        assert!(!alive(lead_app), "the old app outlived the standby's start");
+        leader.signal(18);
+    }
+    assert_eq!(
+        leader.code(Duration::from_secs(10)),
+        75,
+        "{}",
+        leader.log_text()
+    );
+    let log = leader.log_text();
+    assert_eq!(log.contains("event=\"app_started\""), !before_fork, "{log}");
+    assert!(
+        alive(standby_app),
+        "the continued guard touched the standby's app"
+    );
+    assert!(
+        !standby.log_text().contains("lock_lost"),
+        "{}",
+        standby.log_text()
+    );
+    standby.signal(15);
+    standby.wait(Duration::from_secs(10));
+    assert_eq!(assert_no_overlap(&trace), if before_fork { 1 } else { 2 });
+}
+
+#[test]
+fn redis_a_guard_frozen_before_the_fork_never_runs_its_app() {
+    a_guard_frozen_at_the_apps_start_never_runs_it_beside_a_standbys(
+        &Backend::Redis(Redis::start()),
+        "before_fork",
+    );
+}
+
+#[test]
+fn redis_a_guard_frozen_after_the_spawn_has_its_app_stopped_by_the_watchdog() {
+    a_guard_frozen_at_the_apps_start_never_runs_it_beside_a_standbys(
+        &Backend::Redis(Redis::start()),
+        "after_spawn",
+    );
+}
+
+#[test]
+fn mysql_a_guard_frozen_before_the_fork_never_runs_its_app() {
+    a_guard_frozen_at_the_apps_start_never_runs_it_beside_a_standbys(
+        &Backend::Mysql(MariaDb::start()),
+        "before_fork",
+    );
+}
+
+#[test]
+fn mysql_a_guard_frozen_after_the_spawn_has_its_app_stopped_by_the_watchdog() {
+    a_guard_frozen_at_the_apps_start_never_runs_it_beside_a_standbys(
+        &Backend::Mysql(MariaDb::start()),
+        "after_spawn",
+    );
+}

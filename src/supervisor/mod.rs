@@ -1,6 +1,7 @@
 //! The supervised app: spawning it, forwarding signals, reaping, and tearing its whole tree down.
 
 mod cgroup;
+mod pause;
 mod pidfd;
 mod reaper;
 mod signals;
@@ -104,9 +105,19 @@ impl Supervisor {
             watchdog.send(Message::LockDeadline(dead_by));
         }
         let not_after = dead_by.unwrap_or(Deadline::NEVER);
+        pause::at(pause::Point::BeforeFork);
         let app = match spawn::spawn(command, env, watchdog.app_link(), not_after, entry.as_ref()) {
-            Ok(app) => app,
+            Ok(app) => {
+                pause::at(pause::Point::AfterSpawn);
+                app
+            }
             Err(not_started) => {
+                // Which side refused: the app's process on its own clock, or the watchdog by
+                // ending first (told apart for the tests of the window before the fork).
+                let noticed_by = match not_started {
+                    NotStarted::WatchdogGone => "watchdog",
+                    _ => "app_process",
+                };
                 let error = match not_started {
                     NotStarted::Command(e) => StartError::Spawn(e),
                     NotStarted::DeadlinePassed => StartError::DeadlinePassed,
@@ -128,6 +139,7 @@ impl Supervisor {
                 // leave the watchdog signalling that number: pids are handed out in rising order
                 // and come round again only after the whole range, so within the microseconds of
                 // this window it names no other process.)
+                debug!(event = "app_not_started", noticed_by, error = %error, "the command was not run; waiting for the watchdog to stand down");
                 watchdog.send(Message::StandDown);
                 await_watchdog(&mut reaper, &watchdog).await;
                 cgroup.iter().for_each(AppCgroup::remove);

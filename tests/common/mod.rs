@@ -291,7 +291,10 @@ impl Lab {
             cmd.arg("--").args(app);
         }
         for (key, _) in std::env::vars() {
-            if key.starts_with("SENTINEL_GUARD_") || key == "SINGLE_INSTANCE_GUARD" {
+            if key.starts_with("SENTINEL_GUARD_")
+                || key == "SINGLE_INSTANCE_GUARD"
+                || key == "SENTINEL_TEST_PAUSE_AT"
+            {
                 cmd.env_remove(key);
             }
         }

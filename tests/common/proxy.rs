@@ -5,7 +5,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -26,6 +26,8 @@ struct Link {
     late_answer_ms: AtomicU64,
     /// Set once that late chunk has been passed on.
     answered_late: AtomicBool,
+    /// The server port new connections are carried to.
+    upstream_port: AtomicU16,
 }
 
 pub struct Proxy {
@@ -42,11 +44,15 @@ impl Proxy {
     pub fn listening_on(address: &str, upstream_port: u16) -> Proxy {
         let listener = TcpListener::bind(address).unwrap();
         let port = listener.local_addr().unwrap().port();
-        let link = Arc::new(Link::default());
+        let link = Arc::new(Link {
+            upstream_port: AtomicU16::new(upstream_port),
+            ..Link::default()
+        });
         let shared = link.clone();
         thread::spawn(move || {
             for client in listener.incoming().flatten() {
-                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream_port)) else {
+                let upstream = shared.upstream_port.load(Ordering::SeqCst);
+                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
                     let _ = client.shutdown(Shutdown::Both);
                     continue;
                 };
@@ -71,6 +77,12 @@ impl Proxy {
         self.link
             .jitter_ms
             .store(jitter.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    /// New connections go to the server at `port` from now on, as after a moved address; the open
+    /// ones stay where they are.
+    pub fn reroute(&self, port: u16) {
+        self.link.upstream_port.store(port, Ordering::SeqCst);
     }
 
     /// From now on, every byte in either direction is dropped; no connection is closed.
