@@ -125,22 +125,9 @@ impl Drop for Freezer {
 }
 
 fn remove_stale() {
-    let Ok(listed) = fs::read_dir(FREEZER_ROOT) else {
-        return;
-    };
-    for entry in listed.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name
-            .strip_prefix("sg-test-")
-            .and_then(|rest| rest.split('-').next())
-            .and_then(|pid| pid.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        if !super::alive(pid) || pid == std::process::id() as i32 {
-            // Dropping it thaws it, kills what is in it and removes it.
-            drop(Freezer { dir: entry.path() });
-        }
+    for dir in super::left_by_dead_tests(Path::new(FREEZER_ROOT), "sg-test-") {
+        // Dropping it thaws it, kills what is in it and removes it.
+        drop(Freezer { dir });
     }
 }
 

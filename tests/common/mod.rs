@@ -387,6 +387,18 @@ impl LeaderAndStandby {
     }
 }
 
+/// Waits for `guard` to exit 75 (lock lost) with `reason=<reason>` in its log.
+pub fn assert_lost_with(guard: &mut GuardProcess, reason: &str) {
+    assert_eq!(
+        guard.code(Duration::from_secs(10)),
+        75,
+        "{}",
+        guard.log_text()
+    );
+    let log = guard.log_text();
+    assert!(log.contains(&format!("reason={reason}")), "{log}");
+}
+
 /// Polls `child` until it exits or `limit` passes.
 pub fn exit_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
     let mut status = None;
@@ -556,6 +568,27 @@ pub fn survivors(dir: &Path) -> Vec<i32> {
                 .map(|c| String::from_utf8_lossy(&c).contains(&needle))
                 .unwrap_or(false)
         })
+        .collect()
+}
+
+/// The entries of `dir` named `<prefix><pid>-...` whose pid no longer runs, or now runs this
+/// process: what a test process that was killed left behind.
+pub fn left_by_dead_tests(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    let Ok(listed) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    listed
+        .flatten()
+        .filter(|entry| {
+            entry
+                .file_name()
+                .to_string_lossy()
+                .strip_prefix(prefix)
+                .and_then(|rest| rest.split('-').next())
+                .and_then(|pid| pid.parse::<i32>().ok())
+                .is_some_and(|pid| !alive(pid) || pid == std::process::id() as i32)
+        })
+        .map(|entry| entry.path())
         .collect()
 }
 

@@ -3,11 +3,11 @@
 //! stacks, not a proxy that stops forwarding. Needs root and iproute2 and iptables (`.ci/run`
 //! installs both).
 
-use std::fs;
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use super::alive;
+use super::left_by_dead_tests;
 
 /// Which packets a partition drops, seen from the guard's host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,35 +42,23 @@ pub struct Host {
 /// was killed (its pid no longer runs, or now runs this process) is removed before a new one is
 /// made, with its veth pair, once whatever still runs in it is killed.
 fn remove_stale() {
-    let Ok(listed) = fs::read_dir("/run/netns") else {
-        return;
-    };
-    for entry in listed.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name
-            .strip_prefix("sgnem-")
-            .and_then(|rest| rest.split('-').next())
-            .and_then(|pid| pid.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        if !alive(pid) || pid == std::process::id() as i32 {
-            let pids = Command::new("ip")
-                .args(["netns", "pids", &name])
-                .output()
-                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-                .unwrap_or_default();
-            for pid in pids
-                .split_whitespace()
-                .filter_map(|p| p.parse::<i32>().ok())
-            {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-            let _ = quiet(Command::new("ip").args(["netns", "del", &name]));
+    for path in left_by_dead_tests(Path::new("/run/netns"), "sgnem-") {
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let pids = Command::new("ip")
+            .args(["netns", "pids", &name])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        for pid in pids
+            .split_whitespace()
+            .filter_map(|p| p.parse::<i32>().ok())
+        {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
         }
+        let _ = quiet(Command::new("ip").args(["netns", "del", &name]));
     }
 }
 
