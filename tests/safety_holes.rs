@@ -634,8 +634,9 @@ fn a_guard_frozen_at_the_apps_start_never_runs_it_beside_a_standbys(
     if before_fork {
         send(watchdog, 19);
     }
-    let mut standby = lab.spawn(
-        &[args.as_slice(), &["--wait"]].concat(),
+    let mut standby = waiting_standby(
+        &mut lab,
+        &args,
         &as_strs(&recording_app(&trace, &standby_pid)),
     );
     assert!(
