@@ -139,8 +139,8 @@ impl Supervisor {
                 // leave the watchdog signalling that number: pids are handed out in rising order
                 // and come round again only after the whole range, so within the microseconds of
                 // this window it names no other process.)
-                debug!(event = "app_not_started", noticed_by, error = %error, "the command was not run; waiting for the watchdog to stand down");
                 watchdog.send(Message::StandDown);
+                debug!(event = "app_not_started", noticed_by, error = %error, "the command was not run; waiting for the watchdog to stand down");
                 await_watchdog(&mut reaper, &watchdog).await;
                 cgroup.iter().for_each(AppCgroup::remove);
                 return Err(error);
