@@ -207,7 +207,7 @@ pub struct LockArgs {
     )]
     pub url: Option<String>,
 
-    /// Read the backend URL from this file (Docker/Kubernetes secrets); one trailing newline is trimmed
+    /// Read the backend URL from this file (Docker/Kubernetes secrets): the URL alone on one line; blank lines and the whitespace around it are trimmed
     #[arg(long, env = "SENTINEL_GUARD_URL_FILE", value_name = "PATH")]
     pub url_file: Option<PathBuf>,
 

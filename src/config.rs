@@ -28,6 +28,20 @@ fn invalid(message: impl Into<String>) -> ConfigError {
     ConfigError(message.into())
 }
 
+impl ConfigError {
+    /// The same error about a URL read from `path`: every URL error starts with `--url`, which the
+    /// user never typed.
+    fn said_of_url_file(self, path: &Path) -> ConfigError {
+        match self.0.strip_prefix("--url") {
+            Some(rest) if rest.starts_with(':') => {
+                invalid(format!("--url-file {}{rest}", path.display()))
+            }
+            Some(rest) => invalid(format!("--url-file {}:{rest}", path.display())),
+            None => self,
+        }
+    }
+}
+
 /// Room, on top of the guard's own detection bound, for scheduling delays on the guard's host and
 /// network latency, before a MySQL or PostgreSQL server may free the lock of a silent connection.
 pub const SESSION_SAFETY_MARGIN: Duration = Duration::from_secs(5);
@@ -223,15 +237,18 @@ fn lock_target(args: &LockArgs) -> Result<(LockName, Option<Target>), ConfigErro
         .ok_or_else(|| invalid("--name (or SENTINEL_GUARD_NAME) is required"))
         .and_then(LockName::parse)?;
     let raw_url = match (&args.url, &args.url_file) {
-        (Some(url), _) => Some(url.clone()),
-        (None, Some(path)) => Some(read_url_file(path)?),
+        (Some(url), _) => Some((url.clone(), None)),
+        (None, Some(path)) => Some((read_url_file(path)?, Some(path))),
         (None, None) => None,
     };
     let ca = args.ca_file.as_deref().map(CaFile::read).transpose()?;
     let target = raw_url
-        .as_deref()
-        .map(|raw| {
-            let target = Target::parse(raw, &args.redis_prefix)?;
+        .map(|(raw, file)| {
+            // What is wrong with the URL is said of the file it came from.
+            let target = Target::parse(&raw, &args.redis_prefix).map_err(|e| match file {
+                Some(path) => e.said_of_url_file(path),
+                None => e,
+            })?;
             match &ca {
                 Some(ca) => target.trusting(ca),
                 None => Ok(target),
@@ -404,17 +421,27 @@ fn parse_guard_switch(value: Option<&str>) -> Result<bool, ConfigError> {
     }
 }
 
+/// The one URL a `--url-file` holds. Blank lines and the whitespace around the URL (spaces, tabs, a
+/// CRLF or LF line end, as editors and `kubectl create secret --from-file` leave them) are trimmed; a
+/// second non-empty line is refused rather than joined into the first: a URL has no whitespace in it.
 fn read_url_file(path: &Path) -> Result<String, ConfigError> {
-    let contents = std::fs::read_to_string(path)
-        .map_err(|e| invalid(format!("--url-file {}: {e}", path.display())))?;
-    let url = contents
-        .strip_suffix('\n')
-        .map(|s| s.strip_suffix('\r').unwrap_or(s))
-        .unwrap_or(&contents);
-    if url.is_empty() {
+    let shown = path.display();
+    let contents =
+        std::fs::read_to_string(path).map_err(|e| invalid(format!("--url-file {shown}: {e}")))?;
+    let mut lines = contents
+        .lines()
+        .map(str::trim)
+        .enumerate()
+        .filter(|(_, line)| !line.is_empty());
+    let Some((_, url)) = lines.next() else {
         return Err(invalid(format!(
-            "--url-file {}: the file is empty",
-            path.display()
+            "--url-file {shown}: the file holds no URL (it is empty or blank)"
+        )));
+    };
+    if let Some((number, _)) = lines.next() {
+        return Err(invalid(format!(
+            "--url-file {shown}: line {} holds more text after the URL; the file must hold the URL alone, on one line",
+            number + 1
         )));
     }
     Ok(url.to_owned())
@@ -606,7 +633,8 @@ impl PostgresTls {
 #[derive(Debug, Clone)]
 pub struct RedactedUrl {
     shown: String,
-    password: Option<String>,
+    /// The password, and the value of any query parameter whose name says it holds a secret.
+    secrets: Vec<String>,
 }
 
 impl RedactedUrl {
@@ -629,37 +657,115 @@ impl RedactedUrl {
         };
         RedactedUrl {
             shown: format!("{scheme}://{credentials}{hosts}{path}"),
-            password,
+            secrets: password.into_iter().collect(),
         }
     }
 
     fn of(url: &url::Url) -> RedactedUrl {
         let mut shown = url.clone();
-        if url.password().is_some() {
+        let mut secrets = Vec::new();
+        if let Some(password) = url.password() {
             let _ = shown.set_password(Some("***"));
-        }
-        let password = url
-            .password()
-            .map(|p| {
-                percent_encoding::percent_decode_str(p)
+            secrets.push(
+                percent_encoding::percent_decode_str(password)
                     .decode_utf8_lossy()
-                    .into_owned()
-            })
-            .filter(|p| !p.is_empty());
+                    .into_owned(),
+            );
+        }
+        // A driver that does not know `?password=` (or `?auth_token=`) echoes the URL it refuses.
+        let pairs: Vec<(String, String)> = url.query_pairs().into_owned().collect();
+        if pairs.iter().any(|(key, _)| holds_secret(key)) {
+            let mut query = shown.query_pairs_mut();
+            query.clear();
+            for (key, value) in pairs {
+                if holds_secret(&key) {
+                    query.append_pair(&key, "***");
+                    secrets.push(value);
+                } else {
+                    query.append_pair(&key, &value);
+                }
+            }
+        }
+        secrets.retain(|secret| !secret.is_empty());
         RedactedUrl {
             shown: shown.to_string(),
-            password,
+            secrets,
         }
     }
 
-    /// `message` with every occurrence of the password replaced.
+    /// `message` with every occurrence of a secret replaced.
     pub fn scrub(&self, message: impl fmt::Display) -> String {
-        let message = message.to_string();
-        match &self.password {
-            Some(password) => message.replace(password.as_str(), "***"),
-            None => message,
+        let mut message = message.to_string();
+        for secret in &self.secrets {
+            message = message.replace(secret.as_str(), "***");
+        }
+        message
+    }
+}
+
+/// A PostgreSQL target from its parsed URL; `credentials`, the user and password of a URL whose
+/// userinfo had to be taken out before it could be parsed.
+fn postgres_target(
+    url: url::Url,
+    raw: &str,
+    shown: RedactedUrl,
+    credentials: Option<(String, Option<String>)>,
+) -> Result<Target, ConfigError> {
+    let mut driver_url = url;
+    let tls = PostgresTls::take_from(&mut driver_url)?;
+    let mut config: tokio_postgres::Config = driver_url
+        .as_str()
+        .parse()
+        .map_err(|e| invalid(format!("--url {shown}: {}", shown.scrub(e))))?;
+    if let Some((user, password)) = credentials {
+        config.user(user);
+        if let Some(password) = password {
+            config.password(password);
         }
     }
+    Ok(Target::Postgres(Box::new(PostgresTarget {
+        config,
+        tls,
+        url: shown,
+        secret: SecretUrl::new(raw.to_owned()),
+    })))
+}
+
+/// libpq's form for a Unix socket with credentials, `postgres://user:pass@/db?host=/dir`, has an
+/// empty host, which `url::Url` refuses when a user is named: the credentials are taken out (up to
+/// the last `@`, as a password may hold one) and given to the driver apart. `None`: not that form.
+fn postgres_socket_with_credentials(raw: &str) -> Option<Result<Target, ConfigError>> {
+    let (scheme, rest) = raw.split_once("://")?;
+    if !matches!(scheme, "postgres" | "postgresql") {
+        return None;
+    }
+    let (userinfo, after) = rest.rsplit_once('@')?;
+    if !(after.is_empty() || after.starts_with('/') || after.starts_with('?')) {
+        return None;
+    }
+    let decode = |part: &str| {
+        percent_encoding::percent_decode_str(part)
+            .decode_utf8_lossy()
+            .into_owned()
+    };
+    let (user, password) = match userinfo.split_once(':') {
+        Some((user, password)) => (decode(user), Some(decode(password))),
+        None => (decode(userinfo), None),
+    };
+    let shown = RedactedUrl::of_parts(scheme, Some(userinfo), "", after);
+    let hostless = format!("{scheme}://{after}");
+    Some(match url::Url::parse(&hostless) {
+        Ok(url) => postgres_target(url, raw, shown, Some((user, password))),
+        Err(e) => Err(invalid(format!("--url {shown}: not a valid URL ({e})"))),
+    })
+}
+
+/// Whether a URL query parameter of this name carries a credential by its name.
+fn holds_secret(key: &str) -> bool {
+    let key = key.to_ascii_lowercase();
+    ["pass", "pwd", "secret", "token"]
+        .iter()
+        .any(|word| key.contains(word))
 }
 
 impl fmt::Display for RedactedUrl {
@@ -675,6 +781,9 @@ impl Target {
         }
         if let Some(etcd) = EtcdTarget::parse(raw) {
             return Ok(Target::Etcd(Box::new(etcd?)));
+        }
+        if let Some(socket) = postgres_socket_with_credentials(raw) {
+            return socket;
         }
         let url = url::Url::parse(raw).map_err(|e| {
             invalid(format!(
@@ -703,20 +812,17 @@ impl Target {
             }
             "postgres" | "postgresql" => {
                 let shown = RedactedUrl::of(&url);
-                let mut driver_url = url.clone();
-                let tls = PostgresTls::take_from(&mut driver_url)?;
-                let config: tokio_postgres::Config = driver_url
-                    .as_str()
-                    .parse()
-                    .map_err(|e| invalid(format!("--url {shown}: {}", shown.scrub(e))))?;
-                Ok(Target::Postgres(Box::new(PostgresTarget {
-                    config,
-                    tls,
-                    url: shown,
-                    secret: SecretUrl::new(raw.to_owned()),
-                })))
+                postgres_target(url, raw, shown, None)
             }
             "file" => {
+                // The URL parser reads `file:rel.lock` and `file:./rel.lock` as `/rel.lock`: a lock at
+                // the root, far from the relative path the user meant. Only a path that starts at
+                // `/` (after `file:` or after `file://host`) is taken.
+                if !raw.get("file:".len()..).is_some_and(|rest| rest.starts_with('/')) {
+                    return Err(invalid(format!(
+                        "--url {raw}: not an absolute file path; use file:///abs/path.lock"
+                    )));
+                }
                 if !matches!(url.host_str(), None | Some("") | Some("localhost")) {
                     return Err(invalid(format!(
                         "--url {url}: a file lock is local to this host; use file:///abs/path.lock"
@@ -1139,6 +1245,17 @@ mod tests {
         };
         assert_eq!(t.url.to_string(), "rediss://:***@cache:6380/1");
         assert!(Target::parse("redis://h:6379", "bad{prefix}").is_err());
+        // A driver that refuses an unknown parameter echoes the URL: a secret in the query is not
+        // in what it echoes.
+        for raw in [
+            "mysql://guard@db/app?password=hunter2",
+            "mysql://guard@db/app?PWD=hunter2&pool_min=1",
+            "mysql://guard:x@db/app?auth_token=hunter2",
+        ] {
+            let error = Target::parse(raw, "sg").unwrap_err().to_string();
+            assert!(!error.contains("hunter2"), "{raw}: {error}");
+            assert!(error.contains("=***"), "{raw}: {error}");
+        }
     }
 
     #[test]
@@ -1165,6 +1282,23 @@ mod tests {
         let full = tls("postgres://u@db/app?sslmode=verify-full&sslrootcert=system").unwrap();
         assert_eq!((full.mode, full.ca_file), (SslMode::VerifyFull, None));
         assert!(tls("postgres://u@db/app?sslmode=allow").is_err());
+        let Target::Postgres(t) = Target::parse(
+            "postgres://guard:s%40c:r@t@/app?host=/run/pg&port=5433",
+            "sg",
+        )
+        .unwrap() else {
+            panic!("not postgres")
+        };
+        assert_eq!(
+            t.url.to_string(),
+            "postgres://guard:***@/app?host=/run/pg&port=5433"
+        );
+        assert_eq!(t.config.get_user(), Some("guard"));
+        assert_eq!(t.config.get_password(), Some(&b"s@c:r@t"[..]));
+        assert!(matches!(
+            t.config.get_hosts(),
+            [tokio_postgres::config::Host::Unix(dir)] if dir == Path::new("/run/pg")
+        ));
         let refused = tls("postgres://u@db/app?password=hunter2").unwrap_err();
         assert!(!refused.contains("hunter2"), "{refused}");
         let Ok(Target::Postgres(t)) = Target::parse(
@@ -1187,6 +1321,60 @@ mod tests {
         assert!(Target::parse("file://otherhost/x.lock", "sg").is_err());
         assert!(Target::parse("file:///var/lock/", "sg").is_err());
         assert!(Target::parse("ftp://x/y", "sg").is_err());
+        // The parser would read these as /rel.lock, a lock at the root.
+        for relative in [
+            "file:rel.lock",
+            "file:./rel.lock",
+            "file:../rel.lock",
+            "FILE:rel.lock",
+        ] {
+            let error = Target::parse(relative, "sg").unwrap_err().to_string();
+            assert!(
+                error.contains("file:///abs/path.lock"),
+                "{relative}: {error}"
+            );
+        }
+        assert!(matches!(
+            Target::parse("file:/var/lock/x.lock", "sg"),
+            Ok(Target::File(path)) if path == Path::new("/var/lock/x.lock")
+        ));
+    }
+
+    #[test]
+    fn a_url_file_holds_one_url_and_its_errors_name_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = |contents: &str| {
+            let path = dir.path().join("url");
+            std::fs::write(&path, contents).unwrap();
+            path
+        };
+        let url = "redis://127.0.0.1:6379/0";
+        for padded in [
+            url,
+            "redis://127.0.0.1:6379/0\n",
+            "\n  redis://127.0.0.1:6379/0 \r\n\n",
+        ] {
+            assert_eq!(read_url_file(&file(padded)).unwrap(), url, "{padded:?}");
+        }
+        let two = file("mysql://u@h/test\nsecond line\n");
+        let error = read_url_file(&two).unwrap_err().to_string();
+        assert!(
+            error.starts_with(&format!("--url-file {}: line 2", two.display())),
+            "{error}"
+        );
+        let blank = file(" \n\n");
+        let error = read_url_file(&blank).unwrap_err().to_string();
+        assert!(error.contains("holds no URL"), "{error}");
+        let bad = file("nosuch://x\n");
+        let error = Target::parse(&read_url_file(&bad).unwrap(), "sg")
+            .unwrap_err()
+            .said_of_url_file(&bad)
+            .to_string();
+        assert!(
+            error.starts_with(&format!("--url-file {}: ", bad.display())),
+            "{error}"
+        );
+        assert!(!error.contains("--url:"), "{error}");
     }
 
     #[test]

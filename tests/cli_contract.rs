@@ -250,3 +250,61 @@ fn the_app_gets_identity_but_never_the_url() {
     );
     assert_eq!(code, 2, "--url and --url-file conflict: {log}");
 }
+
+/// `file:rel.lock` is no relative path to the URL parser but `/rel.lock`: refused, and nothing is
+/// created at the root or in the working directory.
+#[test]
+fn a_relative_file_url_is_refused_and_locks_nothing() {
+    let mut lab = Lab::new();
+    let unique = format!("sg-rel-{}.lock", std::process::id());
+    for url in [format!("file:{unique}"), format!("file:./{unique}")] {
+        let mut cmd = lab.command(&["--url", &url, "--name", "rel"], &["true"]);
+        cmd.current_dir(lab.path(""));
+        let mut guard = lab.start(cmd);
+        let code = guard.code(Duration::from_secs(5));
+        let log = guard.log_text();
+        assert_eq!(code, 2, "{url}: {log}");
+        assert!(log.contains("file:///abs/path.lock"), "{url}: {log}");
+        assert!(!std::path::Path::new("/").join(&unique).exists(), "{url}");
+        assert!(!lab.path(&unique).exists(), "{url}");
+    }
+}
+
+/// A URL file holds one URL: a second line is refused (not joined into the URL), and what is wrong
+/// with the URL is said of the file.
+#[test]
+fn a_url_file_with_two_lines_is_refused_naming_the_file() {
+    let mut lab = Lab::new();
+    let url_file = lab.path("url");
+    let lock = lab.file_url("two.lock");
+    std::fs::write(&url_file, format!("{lock}\nsecond line\n")).unwrap();
+    let file = url_file.to_str().unwrap();
+    let (code, log) = lab.run(
+        &["--url-file", file, "--name", "two"],
+        &["true"],
+        Duration::from_secs(5),
+    );
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains(&format!("--url-file {file}: line 2")), "{log}");
+    std::fs::write(&url_file, "nosuch://host/x\n").unwrap();
+    let (code, log) = lab.run(
+        &["--url-file", file, "--name", "two"],
+        &["true"],
+        Duration::from_secs(5),
+    );
+    assert_eq!(code, 2, "{log}");
+    assert!(
+        log.contains(&format!("--url-file {file}: unsupported scheme")),
+        "{log}"
+    );
+    std::fs::write(&url_file, format!("\n  {lock}  \r\n\n")).unwrap();
+    let (code, log) = lab.run(
+        &["--url-file", file, "--name", "two"],
+        &["true"],
+        Duration::from_secs(5),
+    );
+    assert_eq!(
+        code, 0,
+        "surrounding whitespace and blank lines are trimmed: {log}"
+    );
+}

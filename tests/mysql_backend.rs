@@ -237,3 +237,11 @@ fn sigstopped_server_is_a_check_timeout() {
     assert!(trace_lines(&trace).contains(&format!("stop {app}")));
     db.kill9();
 }
+
+/// `?socket=`: the server reached over its Unix socket.
+#[test]
+fn a_unix_socket_reaches_the_server() {
+    let db = MariaDb::start();
+    let mut lab = Lab::new();
+    assert_lock_works_over(&mut lab, &db.socket_url());
+}

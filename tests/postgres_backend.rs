@@ -462,3 +462,14 @@ fn metrics_carry_the_postgres_backend_label() {
     guard.signal(15);
     assert_eq!(guard.code(Duration::from_secs(10)), 0);
 }
+
+/// A Unix socket directory in `host=`, as libpq takes it: connects without TLS whatever `sslmode`
+/// says (the server offers none there, and libpq ignores it too).
+#[test]
+fn a_unix_socket_directory_reaches_the_server_whatever_the_sslmode() {
+    let db = Postgres::start();
+    let mut lab = Lab::new();
+    for query in ["&sslmode=disable", "", "&sslmode=require"] {
+        assert_lock_works_over(&mut lab, &db.socket_url(query));
+    }
+}

@@ -71,6 +71,13 @@ on_backends!(a_long_run_makes_the_next_windows_busy:
     a_long_run_makes_the_next_windows_busy_on_file => Backend::File(Lab::new()),
 );
 
+on_backends!(a_command_that_cannot_start_claims_no_window:
+    a_command_that_cannot_start_claims_no_window_on_mysql => Backend::Mysql(MariaDb::start()),
+    a_command_that_cannot_start_claims_no_window_on_postgres => Backend::Postgres(postgres_granted()),
+    a_command_that_cannot_start_claims_no_window_on_redis => Backend::Redis(Redis::start()),
+    a_command_that_cannot_start_claims_no_window_on_file => Backend::File(Lab::new()),
+);
+
 /// A job that records `start`/`stop` with its pid in `trace` (for the overlap check) and the window
 /// it was given in `windows`, and runs for `seconds`.
 fn job(lab: &Lab, seconds: &str) -> Vec<String> {
@@ -195,15 +202,84 @@ fn a_claimed_window_is_never_run_again(backend: &Backend) {
     }
     assert_eq!(runs_per_window(&lab).values().sum::<usize>(), 1);
 
-    let status = lab
-        .command(&["status", "--url", &url, "--name", "hourly"], &[])
-        .stdout(std::process::Stdio::piped())
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&status.stdout);
+    let text = status(&lab, &url, "hourly");
     assert!(text.contains("last_window_start="), "{text}");
     assert!(text.contains("last_window_exit_code=0"), "{text}");
     assert!(!text.contains(common::mariadb::PASSWORD), "{text}");
+}
+
+/// The `status` line of lock `name`.
+fn status(lab: &Lab, url: &str, name: &str) -> String {
+    let status = lab
+        .command(&["status", "--url", url, "--name", name], &[])
+        .stdout(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&status.stdout).into_owned()
+}
+
+/// A command that is not found, or a script whose interpreter is missing, exits 127 before anything
+/// is claimed: the same line with the command fixed still runs in that window, and a resident
+/// scheduler ends instead of failing every window. A command that fails only at exec (a script whose
+/// interpreter is itself a script with a missing interpreter, which only the kernel finds out) ends
+/// the scheduler with 127, and the window's record says so.
+fn a_command_that_cannot_start_claims_no_window(backend: &Backend) {
+    let mut lab = Lab::new();
+    let url = backend.url();
+    let with = |schedule: &[&'static str]| {
+        [
+            &["--url", &url, "--name", "cannotstart"][..],
+            schedule,
+            &backend.fast_args(),
+        ]
+        .concat()
+    };
+    let bad_interpreter = lab.path("bad-interpreter.sh");
+    std::fs::write(&bad_interpreter, "#!/nonexistent/interpreter\necho ran\n").unwrap();
+    let nested = lab.path("nested.sh");
+    std::fs::write(
+        &nested,
+        format!("#!{}\necho ran\n", bad_interpreter.display()),
+    )
+    .unwrap();
+    for script in [&bad_interpreter, &nested] {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    let once = with(&["--once-per", "30d"]);
+    for (command, why) in [
+        ("nosuchcmd-xyz", "command not found: nosuchcmd-xyz"),
+        (
+            bad_interpreter.to_str().unwrap(),
+            "its interpreter /nonexistent/interpreter (from its #! line) is not found",
+        ),
+    ] {
+        let (code, log) = lab.run(&once, &[command], LONG);
+        assert_eq!(code, 127, "{log}");
+        assert!(log.contains("event=\"app_start_failed\""), "{log}");
+        assert!(log.contains(why), "{log}");
+        assert!(!log.contains("window_decision"), "{log}");
+    }
+    assert!(
+        !status(&lab, &url, "cannotstart").contains("last_window_start="),
+        "nothing was claimed"
+    );
+    let every = with(&["--every", "1s"]);
+    let (code, log) = lab.run(&every, &["nosuchcmd-xyz"], LONG);
+    assert_eq!(code, 127, "a resident scheduler ends: {log}");
+
+    let (code, log) = lab.run(&once, &as_strs(&job(&lab, "0")), LONG);
+    assert_eq!(code, 0, "the fixed command runs in the same window: {log}");
+    assert_eq!(runs_per_window(&lab).values().sum::<usize>(), 1, "{log}");
+
+    // The next window of a 1s schedule, claimed and then not run: the kernel alone finds out.
+    let (code, log) = lab.run(&every, &[nested.to_str().unwrap()], LONG);
+    assert_eq!(code, 127, "{log}");
+    assert!(log.contains("event=\"window_not_run\""), "{log}");
+    let text = status(&lab, &url, "cannotstart");
+    assert!(text.contains("last_window_exit_code=127"), "{text}");
+    assert!(text.contains("last_window_finished_at="), "{text}");
 }
 
 /// One replica's clock 90s ahead, another's 90s behind, a third on time: windows come from the

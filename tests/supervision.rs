@@ -330,15 +330,11 @@ fn max_runtime_stops_the_app_and_exits_124() {
     );
 }
 
-#[test]
-fn ctrl_c_on_a_terminal_reaches_the_app_directly() {
+/// The guard in a new session whose controlling terminal is a pty on its stdin, as `docker run -it`
+/// or an interactive shell gives (`setsid -c`); and the pty's master end, to type on.
+fn in_terminal(lab: &mut Lab, args: &[&str], app: &[&str]) -> (GuardProcess, std::fs::File) {
     let pty = nix::pty::openpty(None, None).unwrap();
-    let mut lab = Lab::new();
-    let url = lab.file_url("tty.lock");
-    let (trace, ready) = (lab.path("trace"), lab.path("ready"));
-    let app = signal_recorder(&trace, &ready, &["INT"]);
-    let inner = lab.command(&guard_args("tty", &url, &[]), &as_strs(&app));
-    // setsid -c: a new session whose controlling terminal is the pty on stdin, as `docker run -it` gives.
+    let inner = lab.command(args, app);
     let mut cmd = Command::new("setsid");
     cmd.arg("-c")
         .arg(inner.get_program())
@@ -350,13 +346,22 @@ fn ctrl_c_on_a_terminal_reaches_the_app_directly() {
     }
     cmd.stdin(std::fs::File::from(pty.slave.try_clone().unwrap()));
     cmd.stdout(std::fs::File::from(pty.slave));
-    let mut guard = lab.start(cmd);
+    (lab.start(cmd), std::fs::File::from(pty.master))
+}
+
+#[test]
+fn ctrl_c_on_a_terminal_reaches_the_app_directly() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("tty.lock");
+    let (trace, ready) = (lab.path("trace"), lab.path("ready"));
+    let app = signal_recorder(&trace, &ready, &["INT"]);
+    let (mut guard, mut master) =
+        in_terminal(&mut lab, &guard_args("tty", &url, &[]), &as_strs(&app));
     assert!(
         wait_until(Duration::from_secs(5), || ready.exists()),
         "{}",
         guard.log_text()
     );
-    let mut master = std::fs::File::from(pty.master);
     std::io::Write::write_all(&mut master, b"\x03").unwrap();
     assert_eq!(
         guard.code(Duration::from_secs(5)),
@@ -371,6 +376,58 @@ fn ctrl_c_on_a_terminal_reaches_the_app_directly() {
         "{}",
         guard.log_text()
     );
+}
+
+/// Once a scheduled run is over, the terminal's foreground is the guard's again: Ctrl-C stops the
+/// scheduler waiting for its next window.
+#[test]
+fn ctrl_c_on_a_terminal_stops_a_scheduler_between_runs() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("tty-every.lock");
+    let ran = lab.path("ran");
+    let app = format!("touch {}", ran.display());
+    let (mut guard, mut master) = in_terminal(
+        &mut lab,
+        &guard_args("tty-every", &url, &["--every", "1h"]),
+        &["sh", "-c", &app],
+    );
+    assert!(
+        wait_until(Duration::from_secs(20), || guard
+            .log_text()
+            .contains("event=\"run_ended\"")),
+        "{}",
+        guard.log_text()
+    );
+    assert!(ran.exists());
+    std::io::Write::write_all(&mut master, b"\x03").unwrap();
+    assert_eq!(
+        guard.code(Duration::from_secs(5)),
+        0,
+        "{}",
+        guard.log_text()
+    );
+    assert!(
+        guard.log_text().contains("signal=SIGINT"),
+        "{}",
+        guard.log_text()
+    );
+}
+
+/// `--grace-period 0s` with an app that exits on its own: the watchdog's backstop kill at the same
+/// moment finds nothing alive, which is no alarm.
+#[test]
+fn a_clean_exit_with_no_grace_period_raises_no_watchdog_alarm() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("nograce.lock");
+    for round in 0..5 {
+        let (code, log) = lab.run(
+            &guard_args("nograce", &url, &["--grace-period", "0s"]),
+            &["true"],
+            Duration::from_secs(10),
+        );
+        assert_eq!(code, 0, "round {round}: {log}");
+        assert!(!log.contains("watchdog_killed_app"), "round {round}: {log}");
+    }
 }
 
 #[test]

@@ -254,11 +254,16 @@ pub async fn acquire(
                 )
             )),
             Ok(Ok(Some(Some(1)))) => {
-                let ports = session_ports(&mut conn, target, timings.check_timeout).await;
-                // A record that cannot be taken is a failed acquisition: closing the session gives
-                // the lock back before any app started.
-                match take_record(&mut conn, target, request).await {
-                    Ok(record) => {
+                // A record that cannot be taken, or a session cut off mid-statement, is a failed
+                // acquisition: closing the session gives the lock back before any app started.
+                let taken = match session_ports(&mut conn, target, timings.check_timeout).await {
+                    Ok(ports) => take_record(&mut conn, target, request)
+                        .await
+                        .map(|record| (ports, record)),
+                    Err(e) => Err(e),
+                };
+                match taken {
+                    Ok((ports, record)) => {
                         info!(
                             event = "lock_acquired",
                             connection_id = conn.id(),
@@ -280,17 +285,24 @@ pub async fn acquire(
                 }
             }
             Ok(Ok(Some(Some(0)))) if patience.exhausted() => {
-                let holder = describe_holder(&mut conn, name, timings.check_timeout).await;
+                let (holder, _) = describe_holder(&mut conn, name, timings.check_timeout).await;
                 let _ = timeout(timings.check_timeout, conn.disconnect()).await;
                 return Ok(contention.give_up(holder));
             }
             Ok(Ok(Some(Some(0)))) => {
-                if contention.log_due() {
-                    contention
-                        .waiting(&describe_holder(&mut conn, name, timings.check_timeout).await);
+                let answered = if contention.log_due() {
+                    let (holder, answered) =
+                        describe_holder(&mut conn, name, timings.check_timeout).await;
+                    contention.waiting(&holder);
+                    answered
+                } else {
+                    true
+                };
+                if answered {
+                    backoff.reset();
+                    continue;
                 }
-                backoff.reset();
-                continue;
+                no_answer(target, "the holder's description", timings.check_timeout)
             }
             Ok(Ok(other)) => {
                 LockError::Unsafe(format!("GET_LOCK returned {other:?} instead of 0 or 1"))
@@ -309,12 +321,15 @@ pub async fn acquire(
 }
 
 /// The session's client port as the server sees it, and the server's port: what finds the session's
-/// socket for the watchdog's copy. None without an answer in time (the copy is then not made).
+/// socket for the watchdog's copy. None where the server does not say (the copy is then not made).
+/// No answer in time is an error: a statement cut off by its bound leaves its answer unread on the
+/// session, where the next statement would read it as its own (the driver panics on a row of
+/// another shape), so the session must not be used again.
 async fn session_ports(
     conn: &mut Conn,
     target: &MysqlTarget,
     limit: Duration,
-) -> Option<(u16, u16)> {
+) -> Result<Option<(u16, u16)>, LockError> {
     let host = timeout(
         limit,
         conn.query_first::<Option<String>, _>(
@@ -322,10 +337,12 @@ async fn session_ports(
         ),
     )
     .await
-    .ok()?
-    .ok()??;
-    let client = host?.rsplit(':').next()?.parse().ok()?;
-    Some((client, target.opts.tcp_port()))
+    .map_err(|_| no_answer(target, "the session's client port", limit))?;
+    let port = || {
+        let client = host.ok()???.rsplit(':').next()?.parse().ok()?;
+        Some((client, target.opts.tcp_port()))
+    };
+    Ok(port())
 }
 
 /// Who holds `name` now, without taking it.
@@ -343,7 +360,7 @@ pub async fn status(
             None => no_answer(target, "IS_USED_LOCK", answer),
         })?;
     let holder = match id {
-        Some(id) => Some(describe_connection(&mut conn, id, answer).await),
+        Some(id) => Some(describe_connection(&mut conn, id, answer).await.0),
         None => None,
     };
     let _ = timeout(answer, conn.disconnect()).await;
@@ -442,40 +459,44 @@ async fn holder_connection(
     }
 }
 
-/// Says who holds `name`, as far as this account can see.
-async fn describe_holder(conn: &mut Conn, name: &str, limit: Duration) -> HolderInfo {
+/// Says who holds `name`, as far as this account can see, and whether every statement was answered
+/// in time: when one was not, `conn` must not be queried again (see `session_ports`).
+async fn describe_holder(conn: &mut Conn, name: &str, limit: Duration) -> (HolderInfo, bool) {
     match holder_connection(conn, name, limit).await {
         Ok(Some(id)) => describe_connection(conn, id, limit).await,
-        Ok(None) => {
-            HolderInfo::default().with("holder", "unknown (released while being looked up)")
-        }
-        Err(_) => HolderInfo::default().with("holder", "unknown (the lookup failed)"),
+        Ok(None) => (
+            HolderInfo::default().with("holder", "unknown (released while being looked up)"),
+            true,
+        ),
+        Err(e) => (
+            HolderInfo::default().with("holder", "unknown (the lookup failed)"),
+            e.is_some(),
+        ),
     }
 }
 
 /// The holder's connection id, its account from the process list, and the guard identity its
-/// outstanding check query carries in a comment.
-async fn describe_connection(conn: &mut Conn, id: u64, limit: Duration) -> HolderInfo {
-    let row: Option<(String, String, u64, Option<String>)> = timeout(
+/// outstanding check query carries in a comment; and whether the server answered in time.
+async fn describe_connection(conn: &mut Conn, id: u64, limit: Duration) -> (HolderInfo, bool) {
+    let answer = timeout(
         limit,
-        conn.exec_first(
+        conn.exec_first::<(String, String, u64, Option<String>), _, _>(
             "SELECT USER, HOST, TIME, INFO FROM information_schema.PROCESSLIST WHERE ID = ?",
             (id,),
         ),
     )
-    .await
-    .ok()
-    .and_then(Result::ok)
-    .flatten();
+    .await;
+    let answered = answer.is_ok();
     let info = HolderInfo::default().with("connection_id", id);
-    match row {
+    let info = match answer.ok().and_then(Result::ok).flatten() {
         Some((user, client, seconds, query)) => info
             .with("user", user)
             .with("client", client)
             .with("command_secs", seconds)
             .with_guard(query.as_deref().and_then(Holder::parse)),
         None => info.with("processlist", "not visible to this account"),
-    }
+    };
+    (info, answered)
 }
 
 /// `KILL CONNECTION` of the dead guard's session, from a new session, if that session still holds
@@ -524,8 +545,16 @@ async fn end_on(
         )),
     )
     .await;
-    if !matches!(marked, Ok(Ok(()))) {
-        debug!("the dead guard's lock record could not be marked tree_gone");
+    match marked {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => debug!("the dead guard's lock record could not be marked tree_gone"),
+        // Its answer is still unread on this session, where the KILL would read it as its own.
+        Err(_) => {
+            return Err(format!(
+                "no answer within {} while marking the lock record tree_gone",
+                humantime::format_duration(farewell.timeout)
+            ))
+        }
     }
     if !ours {
         return Ok(format!(
@@ -1249,10 +1278,12 @@ impl SessionWatcher for Watcher {
                 INTERRUPT_TIMEOUT,
             )
             .await;
+            // `None`: no answer in time, which leaves the answer unread on the side connection,
+            // where the next statement would read it as its own (a stale proof, say): replaced.
             let sent = match proof {
                 Ok(true) => timeout(INTERRUPT_TIMEOUT, conn.query_drop(&kill))
                     .await
-                    .unwrap_or(Ok(())),
+                    .ok(),
                 // Not (or not yet: the proof can reach the server before the check does) the lock's
                 // session running this guard's check: no interrupt, and another look shortly.
                 Ok(false) => {
@@ -1260,12 +1291,14 @@ impl SessionWatcher for Watcher {
                         connection_id = self.conn_id,
                         "the id does not name the lock's session running this guard's check; not interrupting it"
                     );
-                    Ok(())
+                    Some(Ok(()))
                 }
-                Err(e) => e.map_or(Ok(()), Err),
+                Err(e) => e.map(Err),
             };
-            if sent.is_err_and(|e| session_ended(&e)) {
-                side = None;
+            match sent {
+                None => side = None,
+                Some(Err(e)) if session_ended(&e) => side = None,
+                Some(_) => {}
             }
             tokio::select! {
                 result = check.as_mut() => break result,
@@ -1290,8 +1323,15 @@ impl Watcher {
         if let Some(sql) = &self.released_sql {
             match timeout(self.timing.budget, conn.query_drop(sql)).await {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => warn!(event = "lock_record_failed", error = %self.target.url.scrub(e), "cannot mark the lock record released; the next holder waits the takeover bound"),
-                Err(_) => warn!(event = "lock_record_failed", "no answer while marking the lock record released; the next holder waits the takeover bound"),
+                Ok(Err(e)) => {
+                    warn!(event = "lock_record_failed", error = %self.target.url.scrub(e), "cannot mark the lock record released; the next holder waits the takeover bound")
+                }
+                // Its answer is still unread on the session, where RELEASE_LOCK would read it as its
+                // own: closing the session frees the lock instead.
+                Err(_) => {
+                    warn!(event = "lock_record_failed", connection_id = self.conn_id, "no answer while marking the lock record released; closed the session instead, which frees the lock, and the next holder waits the takeover bound");
+                    return Ok(());
+                }
             }
         }
         let released = timeout(

@@ -188,9 +188,8 @@ async fn connect(
     let tls = Tls::new(&target.tls)
         .map_err(|e| LockError::Unreachable(format!("{}: {e}", target.url)))?;
     let mut config = target.config.clone();
-    config
-        .application_name(app_name)
-        .ssl_mode(tls::driver_mode(&target.tls));
+    let mode = tls::driver_mode(&target.tls, config.get_hosts());
+    config.application_name(app_name).ssl_mode(mode);
     match timeout(limit, config.connect(tls)).await {
         Err(_) => Err(LockError::Unreachable(format!(
             "no connection to {} within {}",

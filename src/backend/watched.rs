@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::sync::oneshot::error::TryRecvError;
 use tokio::sync::{oneshot, watch, Notify};
 use tokio::task::JoinHandle;
-use tracing::{debug, Instrument};
+use tracing::{debug, warn, Instrument};
 
 use async_trait::async_trait;
 
@@ -268,14 +268,15 @@ async fn watch_session<W: SessionWatcher>(
         }
         let sent = Deadline::now();
         ends.app_dead_by(sent.min(proven_until) + timing.budget + timing.grace);
-        let (check, releasing) = {
+        // For a check cut short by a release: whether it was answered (see below).
+        let (check, release) = {
             let check = watcher.check(&mut conn);
             tokio::pin!(check);
             loop {
                 tokio::select! {
                     biased;
                     answer = &mut check => {
-                        break (judge(timing, watcher.verdict(answer), sent), false);
+                        break (judge(timing, watcher.verdict(answer), sent), None);
                     }
                     // Ahead of the release, which always comes after it: seen at once, the release
                     // takes its interrupter from the opening, as when the teardown leaves it time.
@@ -291,14 +292,15 @@ async fn watch_session<W: SessionWatcher>(
                             opened_ahead = ahead.is_some(),
                             "interrupting the check to release the lock"
                         );
-                        let answer = watcher.interrupt(check, ahead).await;
-                        break (judge(timing, watcher.verdict(answer), sent), true);
+                        let verdict = watcher.verdict(watcher.interrupt(check, ahead).await);
+                        let answered = !matches!(verdict, Verdict::NoAnswer);
+                        break (judge(timing, verdict, sent), Some(answered));
                     }
                 }
             }
         };
         // An interrupted check says nothing about how fast the server answers.
-        if !releasing {
+        if release.is_none() {
             let outcome = match &check {
                 Check::Owned => CheckOutcome::Ok,
                 Check::Lost(loss) if loss.reason == LossReason::CheckTimeout => {
@@ -310,15 +312,27 @@ async fn watch_session<W: SessionWatcher>(
                 .observer
                 .check(outcome, sent.elapsed().saturating_sub(timing.sleep));
         }
-        match (check, releasing) {
-            (Check::Owned, false) => {
+        match (check, release) {
+            (Check::Owned, None) => {
                 proven_until = sent + timing.budget;
                 continue;
             }
             // Interrupting the check can fail it; release all the same, which logs how the
             // session ended.
-            (_, true) => return watcher.release(conn).await,
-            (Check::Lost(loss), false) => {
+            (_, Some(true)) => return watcher.release(conn).await,
+            // A check cut off by its bound leaves its answer unread on the session, where the
+            // release's statements would read it as their own (MySQL's driver panics on a row of
+            // another shape). Closing the session frees the lock as surely; the record stays
+            // `held`, so the next holder waits the takeover bound.
+            (_, Some(false)) => {
+                drop(conn);
+                warn!(
+                    event = "release_failed",
+                    "the last check had no answer in time; closed the session instead, which frees the lock"
+                );
+                return Ok(());
+            }
+            (Check::Lost(loss), None) => {
                 let closed = loss.reason == LossReason::ConnectionClosed;
                 ends.report(loss);
                 if !closed {

@@ -21,7 +21,7 @@ use crate::metrics::{AcquireOutcome, Checks, Metrics};
 use crate::notify;
 use crate::outcome::Outcome;
 use crate::record::Previous;
-use crate::supervisor::{self, ends_wait, ParentWatch, SignalEvents};
+use crate::supervisor::{self, ends_wait, ParentWatch, SignalEvents, SpawnError};
 use crate::vocab::{signal_name, CheckOutcome};
 
 mod schedule;
@@ -35,6 +35,15 @@ const HIDDEN_FROM_APP: &[&str] = &[
     "SENTINEL_GUARD_URL_FILE",
     crate::notify::SOCKET_VAR,
 ];
+
+/// The exit a command that could not be executed ends the guard with: 127 when it (or its script's
+/// interpreter) is not found, 126 when it cannot be executed, as a shell says.
+fn command_outcome(error: &SpawnError) -> Outcome {
+    match error {
+        SpawnError::NotFound { .. } | SpawnError::InterpreterNotFound { .. } => Outcome::NotFound,
+        SpawnError::NotExecutable { .. } => Outcome::NotExecutable,
+    }
+}
 
 /// `parent` is the guard's parent when it started, for `--parent-death-signal`.
 pub async fn run(config: &Config, endpoints: Option<Endpoints>, parent: Pid) -> Outcome {
@@ -166,6 +175,11 @@ impl Guard<'_> {
                  a new holder may start its app while this one's is still stopping; --takeover-delay auto waits for it"
             );
         }
+        // A command that cannot be executed is found out before any lock is taken or any window
+        // claimed, with the exit code its exec would have given.
+        if let Err(outcome) = self.command_runs() {
+            return outcome;
+        }
         if let Some(schedule) = &self.config.schedule {
             return self.scheduled(schedule, &mut signals).await;
         }
@@ -190,6 +204,15 @@ impl Guard<'_> {
                 finished => return finished.outcome(),
             }
         }
+    }
+
+    /// Whether the command can be executed, as `supervisor::resolve` finds out; the outcome to end
+    /// with, said, when it cannot.
+    fn command_runs(&self) -> Result<(), Outcome> {
+        supervisor::resolve(&self.config.command).map_err(|e| {
+            error!(event = "app_start_failed", error = %e, "the command cannot be executed; the app was not started");
+            command_outcome(&e)
+        })
     }
 
     /// Takes the lock, waiting for it as `--wait` allows. A guard rejoining after a loss retries a

@@ -192,6 +192,12 @@ impl Guard<'_> {
             }
             Err(_) => return Tried::NotNow("the lock was lost during the takeover delay"),
         };
+        // Looked at again just before the claim: a resident scheduler's command can vanish between
+        // windows, and a window is claimed only for a command that can start.
+        if let Err(outcome) = self.command_runs() {
+            self.release_unused(Some(held)).await;
+            return Tried::Stopped(outcome);
+        }
         let claim = self.claim_request(schedule, window);
         let answer = tokio::select! {
             answer = held.claim(&claim) => Some(answer),
@@ -298,6 +304,17 @@ impl Guard<'_> {
         let claim = self.claim_request(schedule, window);
         let ended = self.supervise(held, signals, Some(&claim)).await.outcome();
         let code = ended.exit_code(self.config.held_exit_code, &self.config.exit_code_map);
+        if matches!(ended, Outcome::NotFound | Outcome::NotExecutable) {
+            // Not a run: nothing of the command ran. A scheduler that cannot start its command
+            // ends, rather than claim and fail every window after this one.
+            error!(
+                event = "window_not_run",
+                window = window.index,
+                exit_code = code,
+                "the window's command could not be started; the scheduler ends"
+            );
+            return Tried::Stopped(ended);
+        }
         if locked && outcome == WindowOutcome::Ran {
             self.metrics.run_ended(code);
         }

@@ -11,12 +11,10 @@ use crate::deadline::{AsyncBootTimer, Deadline};
 use crate::handoff::Farewell;
 use crate::notify;
 use crate::outcome::Outcome;
-use crate::supervisor::{
-    is_shutdown, AppEnv, Event, SignalEvents, SpawnError, StartError, Supervisor,
-};
+use crate::supervisor::{is_shutdown, AppEnv, Event, SignalEvents, StartError, Supervisor};
 use crate::vocab::{signal_name, AppStatus, LossReason};
 
-use super::{at, lost, next_deadline, AppGone, Finished, Guard, HIDDEN_FROM_APP};
+use super::{at, command_outcome, lost, next_deadline, AppGone, Finished, Guard, HIDDEN_FROM_APP};
 
 impl Guard<'_> {
     /// Runs the app under `held` (or unguarded) until it ends or must stop; `window`, for a scheduled
@@ -85,16 +83,22 @@ impl Guard<'_> {
             }
             Err(e) => {
                 error!(event = "app_start_failed", error = %e, "app not started");
-                self.release_unused(held).await;
-                return match e {
-                    StartError::Spawn(SpawnError::NotFound { .. }) => Outcome::NotFound,
-                    StartError::Spawn(SpawnError::NotExecutable { .. }) => Outcome::NotExecutable,
+                let outcome = match e {
+                    StartError::Spawn(e) => command_outcome(&e),
                     StartError::Setup(_)
                     | StartError::Watchdog(_)
                     | StartError::DeadlinePassed
                     | StartError::CgroupJoin(_) => Outcome::Internal,
+                };
+                // A claimed window whose command never ran says so in its record, under the lock.
+                if let (Some(run), Some(lock)) = (window, held.as_mut()) {
+                    let code = outcome.exit_code(config.held_exit_code, &config.exit_code_map);
+                    if let Err(e) = lock.record_end(run, code).await {
+                        warn!(event = "run_end_unrecorded", window = run.window.index, error = %e, "cannot record that the window's command did not start");
+                    }
                 }
-                .into();
+                self.release_unused(held).await;
+                return outcome.into();
             }
         };
         // Each app has its own span, so no line of a later acquisition (with --rejoin) names it.

@@ -25,7 +25,7 @@ use crate::vocab::{signal_name, AppStatus};
 use cgroup::AppCgroup;
 pub use signals::{ends_wait, is_shutdown, on_parent_death, ParentWatch, SignalEvents};
 use spawn::NotStarted;
-pub use spawn::{raise_descriptor_limit, AppEnv, SpawnError};
+pub use spawn::{raise_descriptor_limit, resolve, AppEnv, SpawnError};
 pub use tree::proc_is_ours;
 use watchdog::{Message, Watchdog};
 
@@ -249,6 +249,7 @@ impl Supervisor {
         self.watchdog.send(Message::StandDown);
         let watchdog_acted = await_watchdog(&mut self.reaper, &self.watchdog).await;
         self.cgroup.iter().for_each(AppCgroup::remove);
+        spawn::reclaim_terminal(self.app);
         // Only now may the app's pid, and with it its group id, be given to another process.
         self.reaper.reap_app();
         Stopped {

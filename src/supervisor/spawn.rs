@@ -5,14 +5,15 @@ use std::ffi::{CString, OsStr, OsString};
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::Path;
 use std::sync::OnceLock;
 
 use nix::fcntl::OFlag;
 use nix::libc::{self, rlim_t};
 use nix::sys::prctl;
 use nix::sys::resource::{getrlimit, setrlimit, Resource};
-use nix::sys::signal::{kill, sigprocmask, SigSet, SigmaskHow, Signal};
+use nix::sys::signal::{kill, pthread_sigmask, sigprocmask, SigSet, SigmaskHow, Signal};
 use nix::sys::wait::waitpid;
 use nix::unistd::{getpgrp, getpid, getppid, isatty, pipe2, setpgid, tcgetpgrp, tcsetpgrp, Pid};
 use thiserror::Error;
@@ -27,6 +28,104 @@ pub enum SpawnError {
     NotFound { command: String },
     #[error("command cannot be executed: {command}: {source}")]
     NotExecutable { command: String, source: io::Error },
+    #[error("command cannot be executed: {command}: its interpreter {interpreter} (from its #! line) is not found")]
+    InterpreterNotFound {
+        command: String,
+        interpreter: String,
+    },
+}
+
+/// Finds out, before anything is locked or claimed, whether the app's process will be able to
+/// execute `command`: the same search as its exec (each entry of the app's `PATH` in turn, past
+/// missing and forbidden ones), and for a script, whether its `#!` interpreter exists. A scheduled
+/// window is then never used up by a command that cannot start. A command that passes can still fail
+/// at exec (the file changed meanwhile): `spawn` reports that as before.
+pub fn resolve(command: &[OsString]) -> Result<(), SpawnError> {
+    let (program, _) = command.split_first().expect("clap requires a command");
+    let describe = || program.to_string_lossy().into_owned();
+    let path = std::env::var_os("PATH");
+    let mut denied = false;
+    for candidate in search(program.as_bytes(), path.as_ref().map(|p| p.as_bytes())) {
+        let candidate = std::path::PathBuf::from(OsString::from_vec(candidate));
+        match std::fs::metadata(&candidate) {
+            Ok(meta) if meta.is_file() && executable(&candidate) => {
+                return match interpreter(&candidate) {
+                    Some(interpreter) if !executable(Path::new(&interpreter)) => {
+                        match std::fs::metadata(&interpreter) {
+                            Ok(_) => Err(SpawnError::NotExecutable {
+                                command: describe(),
+                                source: io::Error::new(
+                                    io::ErrorKind::PermissionDenied,
+                                    format!(
+                                        "its interpreter {} (from its #! line) cannot be executed",
+                                        interpreter.to_string_lossy()
+                                    ),
+                                ),
+                            }),
+                            Err(_) => Err(SpawnError::InterpreterNotFound {
+                                command: describe(),
+                                interpreter: interpreter.to_string_lossy().into_owned(),
+                            }),
+                        }
+                    }
+                    _ => Ok(()),
+                };
+            }
+            // A directory, a device, a file without execute permission: exec says EACCES, and
+            // the search goes on, as execvp's does.
+            Ok(_) => denied = true,
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => denied = true,
+            Err(_) => {}
+        }
+    }
+    Err(if denied {
+        SpawnError::NotExecutable {
+            command: describe(),
+            source: io::Error::from_raw_os_error(libc::EACCES),
+        }
+    } else {
+        SpawnError::NotFound {
+            command: describe(),
+        }
+    })
+}
+
+/// Whether this process may execute `path`, as exec would check it.
+fn executable(path: &Path) -> bool {
+    nix::unistd::access(path, nix::unistd::AccessFlags::X_OK).is_ok()
+}
+
+/// The interpreter a `#!` line names, if the file starts with one and can be read.
+fn interpreter(script: &Path) -> Option<OsString> {
+    let mut head = [0u8; 256];
+    let read = File::open(script)
+        .and_then(|mut f| f.read(&mut head))
+        .ok()?;
+    let line = head[..read].strip_prefix(b"#!")?;
+    let line = &line[..line.iter().position(|b| *b == b'\n').unwrap_or(line.len())];
+    let name = line
+        .split(|b| *b == b' ' || *b == b'\t')
+        .find(|word| !word.is_empty())?;
+    Some(OsString::from_vec(name.to_vec()))
+}
+
+/// The paths execvp tries for `program`, in order: the name itself if it has a `/`, else each entry
+/// of `path` (glibc's default when unset) joined with it; an empty entry is the working directory.
+fn search(program: &[u8], path: Option<&[u8]>) -> Vec<Vec<u8>> {
+    if program.is_empty() {
+        // execvp's answer to an empty name: not found.
+        Vec::new()
+    } else if program.contains(&b'/') {
+        vec![program.to_vec()]
+    } else {
+        path.unwrap_or(DEFAULT_PATH.as_bytes())
+            .split(|b| *b == b':')
+            .map(|dir| match dir {
+                b"" => program.to_vec(),
+                dir => [dir, b"/", program].concat(),
+            })
+            .collect()
+    }
 }
 
 /// Why the app's process did not run the command.
@@ -121,7 +220,9 @@ pub fn spawn(
             match exec_errno(errors) {
                 None => Ok(pid),
                 Some(errno) => {
-                    // It exits at once after saying why: reaped here, as nothing else tracks it.
+                    // It exits at once after saying why: reaped here, as nothing else tracks it. A
+                    // failed exec comes after it took the terminal's foreground.
+                    reclaim_terminal(pid);
                     let _ = waitpid(pid, None);
                     Err(match errno {
                         LINK_FAILED => NotStarted::WatchdogGone,
@@ -285,24 +386,11 @@ impl Exec {
             .iter()
             .map(|arg| cstring(arg.as_bytes()))
             .collect::<io::Result<Vec<_>>>()?;
-        let program = command[0].as_bytes();
-        let candidates = if program.is_empty() {
-            // execvp's answer to an empty name: not found.
-            Vec::new()
-        } else if program.contains(&b'/') {
-            vec![cstring(program)?]
-        } else {
-            let path = vars
-                .get(OsStr::new("PATH"))
-                .map_or(DEFAULT_PATH.as_bytes(), |path| path.as_bytes());
-            path.split(|b| *b == b':')
-                // An empty entry is the working directory, as for execvp.
-                .map(|dir| match dir {
-                    b"" => cstring(program),
-                    dir => cstring(&[dir, b"/", program].concat()),
-                })
-                .collect::<io::Result<Vec<_>>>()?
-        };
+        let path = vars.get(OsStr::new("PATH")).map(|path| path.as_bytes());
+        let candidates = search(command[0].as_bytes(), path)
+            .iter()
+            .map(|candidate| cstring(candidate))
+            .collect::<io::Result<Vec<_>>>()?;
         let pointers = |strings: &[CString]| {
             strings
                 .iter()
@@ -357,6 +445,26 @@ impl Exec {
 }
 
 const SH: &std::ffi::CStr = c"/bin/sh";
+
+/// Gives the terminal's foreground back to the guard's own group if the app's group `app` still has
+/// it: once the app's tree is gone, Ctrl-C must reach the guard (a scheduler waiting for its next
+/// window, a `--rejoin` standby), not a group with nobody in it. Called while the app's pid is still
+/// unreaped, so `app` cannot name another group yet.
+pub fn reclaim_terminal(app: Pid) {
+    // SAFETY: fd 0 stays open for the duration of this call.
+    let stdin = unsafe { BorrowedFd::borrow_raw(0) };
+    if !isatty(stdin).unwrap_or(false) || tcgetpgrp(stdin).ok() != Some(app) {
+        return;
+    }
+    // From a background group, tcsetpgrp raises SIGTTOU unless it is blocked: blocked in this
+    // thread for the call only.
+    let ttou = SigSet::from(Signal::SIGTTOU);
+    let mut before = SigSet::empty();
+    if pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(&ttou), Some(&mut before)).is_ok() {
+        let _ = tcsetpgrp(stdin, getpgrp());
+        let _ = pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&before), None);
+    }
+}
 
 /// Whether stdin is a terminal whose foreground is the guard's own group. Only then does the app take
 /// the foreground: a guard started in the background of an interactive shell must not steal it.

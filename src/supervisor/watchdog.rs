@@ -661,13 +661,20 @@ fn watch(
         // deadline the guard may have written meanwhile is read.
         match switch.due(Deadline::now()) {
             Action::Kill if switch.teardown => {
+                // A backstop to the guard's own kill, which is due at the same moment: worth a
+                // warning only when something of the app was still alive for it. A clean exit with
+                // `--grace-period 0s` reaches this deadline with nothing left; that is no alarm. Two
+                // reads of /proc or cgroupfs, which never wait on the app.
+                let alive = log.group.is_some_and(|group| reach.anything_left(group));
                 reach.signal(log.group, Signal::SIGKILL);
                 switch.killed_in_teardown();
-                log.on();
-                warn!(
-                    event = "watchdog_killed_app",
-                    "the guard's teardown reached its deadline; watchdog sent SIGKILL to the app's process group"
-                );
+                if alive {
+                    log.on();
+                    warn!(
+                        event = "watchdog_killed_app",
+                        "the guard's teardown reached its deadline; watchdog sent SIGKILL to the app's process group"
+                    );
+                }
             }
             Action::Kill => {
                 learn_group(pipe, log);
@@ -810,6 +817,16 @@ impl Reach {
                 }
             };
             super::pidfd::signal_listed(&outside, again, signal);
+        }
+    }
+
+    /// Whether a live process of the app may be left, from one look that never waits: its cgroup
+    /// (a process counts out of it when it exits, unreaped or not), else its group. Unreadable counts
+    /// as alive.
+    fn anything_left(&self, group: Pid) -> bool {
+        match &self.cgroup {
+            Some(cgroup) => !cgroup.is_empty().unwrap_or(false),
+            None => super::tree::live_group_members(group).map_or(true, |left| !left.is_empty()),
         }
     }
 

@@ -151,6 +151,14 @@ impl MariaDb {
         format!("mysql://{USER}:{PASSWORD}@127.0.0.1:{}/mysql", self.port)
     }
 
+    /// The guard's URL over the private Unix socket.
+    pub fn socket_url(&self) -> String {
+        format!(
+            "mysql://{USER}:{PASSWORD}@localhost/mysql?socket={}",
+            self.socket().display()
+        )
+    }
+
     pub fn url_with_port(&self, port: u16) -> String {
         format!("mysql://{USER}:{PASSWORD}@127.0.0.1:{port}/mysql")
     }

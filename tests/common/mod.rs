@@ -52,6 +52,37 @@ pub fn fast_with<'a>(overrides: &[&'a str]) -> Vec<&'a str> {
 }
 
 /// `--url url --name name` with `FAST` timings, any of them overridden by `extra`.
+/// A guard on `url` holds the lock (a second one exits 1 without starting its app), and gives it
+/// back when stopped: the lock is real over whatever `url` reaches the server by.
+pub fn assert_lock_works_over(lab: &mut Lab, url: &str) {
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let _ = std::fs::remove_file(&pidfile);
+    let mut first = lab.spawn(
+        &lock_args(url, "over", &[]),
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    assert!(
+        wait_until(Duration::from_secs(20), || pidfile.exists()),
+        "{url}: the app did not start: {}",
+        first.log_text()
+    );
+    let marker = lab.path("second-ran");
+    let (code, log) = lab.run(
+        &lock_args(url, "over", &[]),
+        &["sh", "-c", &format!("touch {}", marker.display())],
+        Duration::from_secs(10),
+    );
+    assert_eq!(code, 1, "{url}: {log}");
+    assert!(!marker.exists(), "{url}: the second app must never start");
+    first.signal(15);
+    assert_eq!(
+        first.code(Duration::from_secs(10)),
+        0,
+        "{url}: {}",
+        first.log_text()
+    );
+}
+
 pub fn lock_args<'a>(url: &'a str, name: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut v = vec!["--url", url, "--name", name];
     v.extend(fast_with(extra));

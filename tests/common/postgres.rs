@@ -303,6 +303,16 @@ impl Postgres {
         format!("postgres://{USER}:{PASSWORD}@127.0.0.1:{port}/postgres")
     }
 
+    /// The guard's URL over the private Unix socket, as libpq takes it (`host=` a directory), with
+    /// `query` appended (`&sslmode=...`).
+    pub fn socket_url(&self, query: &str) -> String {
+        format!(
+            "postgres://{USER}:{PASSWORD}@/postgres?host={}&port={}{query}",
+            self.dir.path().display(),
+            self.port
+        )
+    }
+
     /// The postmaster's pid.
     pub fn pid(&self) -> i32 {
         self.process.as_ref().expect("server is running").id() as i32

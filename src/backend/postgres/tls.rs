@@ -21,8 +21,19 @@ use tokio_postgres::tls::{ChannelBinding, MakeTlsConnect, TlsConnect, TlsStream}
 
 use crate::config::{PostgresTls, SslMode};
 
-/// What `sslmode` asks of the driver: whether to ask the server for TLS at all.
-pub fn driver_mode(tls: &PostgresTls) -> tokio_postgres::config::SslMode {
+/// What `sslmode` asks of the driver: whether to ask the server for TLS at all. Never over Unix
+/// sockets, where the server offers none: as libpq does, `sslmode` is ignored there.
+pub fn driver_mode(
+    tls: &PostgresTls,
+    hosts: &[tokio_postgres::config::Host],
+) -> tokio_postgres::config::SslMode {
+    let sockets_only = !hosts.is_empty()
+        && hosts
+            .iter()
+            .all(|host| matches!(host, tokio_postgres::config::Host::Unix(_)));
+    if sockets_only {
+        return tokio_postgres::config::SslMode::Disable;
+    }
     match tls.mode {
         SslMode::Disable => tokio_postgres::config::SslMode::Disable,
         SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
@@ -163,9 +174,13 @@ where
     type TlsConnect = Connect;
     type Error = io::Error;
 
+    /// Called for every host before the driver knows whether TLS is wanted: a name that cannot be
+    /// a certificate's (a Unix socket has none) is an error only if a handshake is attempted.
     fn make_tls_connect(&mut self, domain: &str) -> io::Result<Connect> {
-        let name = ServerName::try_from(domain.to_owned())
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        let name = ServerName::try_from(domain.to_owned()).map_err(|e| match domain {
+            "" => "a Unix socket has no host name to verify a certificate against".to_owned(),
+            _ => format!("{domain:?} cannot be verified against a certificate: {e}"),
+        });
         Ok(Connect {
             config: self.0.clone(),
             name,
@@ -175,7 +190,7 @@ where
 
 pub struct Connect {
     config: Arc<ClientConfig>,
-    name: ServerName<'static>,
+    name: Result<ServerName<'static>, String>,
 }
 
 type Handshake<S> = Pin<Box<dyn Future<Output = io::Result<Stream<S>>> + Send>>;
@@ -191,7 +206,10 @@ where
     fn connect(self, stream: S) -> Handshake<S> {
         let connector = tokio_rustls::TlsConnector::from(self.config);
         Box::pin(async move {
-            let stream = connector.connect(self.name, stream).await?;
+            let name = self
+                .name
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+            let stream = connector.connect(name, stream).await?;
             Ok(Stream(stream))
         })
     }
