@@ -9,6 +9,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, ValueEnum};
 
+use crate::vocab::{
+    ENV_BACKEND, ENV_FENCING_TOKEN, ENV_HOLDER_ID, ENV_NAME, ENV_WINDOW, ENV_WINDOW_START,
+};
 use crate::window::IfUnavailable;
 
 /// `SINGLE_INSTANCE_GUARD`: `false` runs the app with no lock at all.
@@ -32,28 +35,65 @@ pub const ENV_ONLY: &[(&str, &str)] = &[
 
 /// Variables the guard sets in the command's environment.
 pub const APP_ENV: &[(&str, &str)] = &[
-    ("SENTINEL_GUARD_NAME", "the lock name"),
+    (ENV_NAME, "the lock name"),
     (
-        "SENTINEL_GUARD_BACKEND",
-        "mysql, postgres, redis, file, or none when unguarded",
+        ENV_BACKEND,
+        "mysql, postgres, redis, etcd, file, or none when unguarded",
     ),
     (
-        "SENTINEL_GUARD_HOLDER_ID",
+        ENV_HOLDER_ID,
         "a random id of this guard, also in its log lines",
     ),
     (
-        "SENTINEL_GUARD_FENCING_TOKEN",
+        ENV_FENCING_TOKEN,
         "a number that strictly increases with every acquisition of the lock name, on every backend",
     ),
     (
-        "SENTINEL_GUARD_WINDOW",
+        ENV_WINDOW,
         "--every/--once-per only: the number k of the window being run",
     ),
     (
-        "SENTINEL_GUARD_WINDOW_START",
+        ENV_WINDOW_START,
         "--every/--once-per only: the window's start, RFC 3339 in UTC",
     ),
 ];
+
+/// Typical invocations, for the man page's EXAMPLES.
+pub const EXAMPLES: &[(&str, &str)] = &[
+    (
+        "sentinel-guard --url-file /run/secrets/lock-url --name billing -- ./worker",
+        "one worker across every replica; the others exit 1",
+    ),
+    (
+        "sentinel-guard --url postgres://guard@db/app --name billing --wait forever -- ./worker",
+        "a hot standby: wait for the lock, take over when the holder goes",
+    ),
+    (
+        "sentinel-guard --url redis://cache:6379 --name report --every 1h -- ./report",
+        "a resident scheduler: one run per hour across every replica",
+    ),
+    (
+        "sentinel-guard --url file:///run/lock/backup.lock --name backup --once-per 24h -- ./backup",
+        "from a cron line: at most one run per day",
+    ),
+    (
+        "sentinel-guard status --url mysql://guard@db/app --name billing",
+        "who holds the lock (exit 0 held, 3 free)",
+    ),
+];
+
+/// The command line's definition with what derive cannot say: the exit codes, from their one table.
+pub fn command() -> clap::Command {
+    use clap::CommandFactory;
+    let mut after = String::from("Exit codes:");
+    for (code, meaning) in crate::vocab::EXIT_STATUS {
+        after.push_str(&format!("\n  {code}: {meaning}"));
+    }
+    after.push_str(&format!(
+        "\n{GUARD_SWITCH_VAR}=false runs the command without any lock (local development only)."
+    ));
+    Cli::command().after_help(after)
+}
 
 #[derive(Debug, Parser)]
 #[command(
@@ -61,11 +101,9 @@ pub const APP_ENV: &[(&str, &str)] = &[
     version,
     args_conflicts_with_subcommands = true,
     subcommand_negates_reqs = true,
-    about = "Run a command as a singleton: take a lock, start the command, stop it the moment the lock is lost",
-    after_help = "Exit codes: the app's code (128+N if it died of signal N), 1 (--held-exit-code) lock held elsewhere \
-or the wait for it ended, 2 usage, 69 backend unreachable or unsafe, 70 guard setup failed, 75 lock lost, \
-124 --max-runtime expired, 126/127 command not executable/not found.\n\
-SINGLE_INSTANCE_GUARD=false runs the command without any lock (local development only)."
+    subcommand_value_name = "SUBCOMMAND",
+    subcommand_help_heading = "Subcommands",
+    about = "Run a command as a singleton: take a lock, start the command, stop it the moment the lock is lost"
 )]
 pub struct Cli {
     #[command(subcommand)]

@@ -25,7 +25,7 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use clap::{CommandFactory, Parser};
+use clap::FromArgMatches;
 
 use crate::cli::Cli;
 use crate::config::{Config, Invocation};
@@ -49,7 +49,10 @@ fn main() -> ExitCode {
             .collect();
         return supervisor::watchdog::main(&args, backend::say_farewell);
     }
-    let cli = Cli::try_parse().unwrap_or_else(|e| with_separator_hint(e).exit());
+    let cli = cli::command()
+        .try_get_matches()
+        .and_then(|matches| Cli::from_arg_matches(&matches))
+        .unwrap_or_else(|e| with_separator_hint(e).exit());
     // Read: from here on, no process of the guard's user can read the URL from the guard.
     conceal::conceal_credentials();
     let guard_switch =
@@ -83,11 +86,11 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Invocation::Man => print_generated(|out| manpage::render(Cli::command(), out)),
+        Invocation::Man => print_generated(|out| manpage::render(cli::command(), out)),
         Invocation::Completions(shell) => print_generated(|out| {
             // clap_complete panics on a failed write, so it writes to memory first.
             let mut script = Vec::new();
-            clap_complete::generate(shell, &mut Cli::command(), "sentinel-guard", &mut script);
+            clap_complete::generate(shell, &mut cli::command(), "sentinel-guard", &mut script);
             out.write_all(&script)
         }),
         Invocation::Status(config) => match runtime() {

@@ -7,7 +7,8 @@ use std::io::{self, Write};
 use clap::{Arg, Command};
 use clap_mangen::Man;
 
-use crate::cli::{APP_ENV, ENV_ONLY};
+use crate::cli::{APP_ENV, ENV_ONLY, EXAMPLES};
+use crate::vocab::EXIT_STATUS;
 
 pub fn render(cmd: Command, out: &mut dyn Write) -> io::Result<()> {
     let mut cmd = cmd.disable_help_subcommand(true);
@@ -15,18 +16,35 @@ pub fn render(cmd: Command, out: &mut dyn Write) -> io::Result<()> {
     let man = Man::new(cmd.clone());
     man.render_title(out)?;
     man.render_name_section(out)?;
-    man.render_synopsis_section(out)?;
+    render_synopsis(&mut cmd, out)?;
     man.render_description_section(out)?;
     man.render_options_section(out)?;
     render_subcommands(&cmd, out)?;
     render_environment(&cmd, out)?;
-    if let Some(after) = cmd.get_after_help() {
-        writeln!(out, ".SH \"EXIT STATUS\"")?;
-        for paragraph in after.to_string().split('\n') {
-            writeln!(out, ".PP\n{}", roff_text(paragraph))?;
-        }
-    }
+    render_table(out, "EXIT STATUS", EXIT_STATUS)?;
+    render_table(out, "EXAMPLES", EXAMPLES)?;
     man.render_version_section(out)
+}
+
+/// The usage lines `--help` prints, which show the `--` before the command (clap_mangen's synopsis
+/// lists every option and leaves it out).
+fn render_synopsis(cmd: &mut Command, out: &mut dyn Write) -> io::Result<()> {
+    writeln!(out, ".SH SYNOPSIS")?;
+    let usage = cmd.render_usage().to_string();
+    for line in usage.lines() {
+        let line = line.trim_start_matches("Usage:").trim();
+        writeln!(out, ".PP\n\\fB{}\\fR", roff_text(line))?;
+    }
+    Ok(())
+}
+
+/// A section of tagged paragraphs from one of the code's tables.
+fn render_table(out: &mut dyn Write, title: &str, rows: &[(&str, &str)]) -> io::Result<()> {
+    writeln!(out, ".SH \"{title}\"")?;
+    for (tag, text) in rows {
+        writeln!(out, ".TP\n\\fB{}\\fR\n{}", roff_text(tag), roff_text(text))?;
+    }
+    Ok(())
 }
 
 /// Each subcommand with its usage and options, on this page.

@@ -16,6 +16,51 @@ pub const EXIT_MAX_RUNTIME: u8 = 124;
 pub const EXIT_NOT_EXECUTABLE: u8 = 126;
 pub const EXIT_NOT_FOUND: u8 = 127;
 
+/// The variables the guard sets in the app's environment (what each means: `cli::APP_ENV`).
+pub const ENV_NAME: &str = "SENTINEL_GUARD_NAME";
+pub const ENV_BACKEND: &str = "SENTINEL_GUARD_BACKEND";
+pub const ENV_HOLDER_ID: &str = "SENTINEL_GUARD_HOLDER_ID";
+pub const ENV_FENCING_TOKEN: &str = "SENTINEL_GUARD_FENCING_TOKEN";
+pub const ENV_WINDOW: &str = "SENTINEL_GUARD_WINDOW";
+pub const ENV_WINDOW_START: &str = "SENTINEL_GUARD_WINDOW_START";
+
+/// What each exit code means, in the words `--help` and the man page print (README.md's table says
+/// the same at length; a test holds the three together). The codes besides the app's own are the
+/// constants above, `--held-exit-code`'s default, and the scheduler's 0.
+pub const EXIT_STATUS: &[(&str, &str)] = &[
+    (
+        "the app's code",
+        "the app ran and ended (128+N if it died of signal N), after --exit-code-map",
+    ),
+    (
+        "0",
+        "scheduled jobs: --once-per found the window already claimed or busy, or a signal stopped \
+         --every between runs; the command was not run",
+    ),
+    (
+        "1",
+        "(--held-exit-code) another instance holds the lock, the wait for it ended, or a signal came \
+         before the app started; the app was never started",
+    ),
+    ("2", "usage or configuration error; nothing was contacted"),
+    (
+        "69",
+        "the backend is unreachable, refused the guard or is unsafe (or its fencing counter was set \
+         back); the app was never started",
+    ),
+    ("70", "the guard could not set itself up"),
+    (
+        "75",
+        "the lock was lost; the app was stopped (or never started)",
+    ),
+    ("124", "--max-runtime expired; the app was stopped"),
+    ("126", "the command cannot be executed"),
+    (
+        "127",
+        "the command (or its #! interpreter) is not found",
+    ),
+];
+
 /// `checks_total{outcome}`: how one ownership check (MySQL query, Redis renewal, lock file stat) ended.
 #[derive(Debug, Clone, Copy)]
 pub enum CheckOutcome {
@@ -148,5 +193,28 @@ pub fn signal_name(signal: i32) -> String {
     match Signal::try_from(signal) {
         Ok(named) => named.as_str().to_owned(),
         Err(_) => format!("SIGRTMIN+{}", signal - libc::SIGRTMIN()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_exit_code_of_the_guard_is_in_the_exit_status_table() {
+        let codes: Vec<&str> = EXIT_STATUS.iter().map(|(code, _)| *code).collect();
+        for code in [
+            EXIT_USAGE,
+            EXIT_UNAVAILABLE,
+            EXIT_INTERNAL,
+            EXIT_LOCK_LOST,
+            EXIT_MAX_RUNTIME,
+            EXIT_NOT_EXECUTABLE,
+            EXIT_NOT_FOUND,
+            0,
+            1,
+        ] {
+            assert!(codes.contains(&code.to_string().as_str()), "exit {code}");
+        }
     }
 }

@@ -95,3 +95,60 @@ fn man_page_lists_every_environment_variable_and_cites_no_unshipped_page() {
         .collect();
     assert!(cited.is_empty(), "man page cites other pages: {cited:?}");
 }
+
+/// The exit codes `--help` prints (from the code's one table), as (code, meaning).
+fn exit_codes_in_help() -> Vec<(String, String)> {
+    let text = help(&["--help"]);
+    let table = text
+        .split("Exit codes:")
+        .nth(1)
+        .expect("an exit code table");
+    table
+        .lines()
+        .filter_map(|line| line.strip_prefix("  ")?.split_once(": "))
+        .map(|(code, meaning)| (code.to_owned(), meaning.to_owned()))
+        .collect()
+}
+
+#[test]
+fn the_man_page_and_readme_give_the_exit_codes_of_help() {
+    let codes = exit_codes_in_help();
+    assert!(codes.len() >= 10, "{codes:?}");
+    let man = help(&["man"]);
+    let status = man
+        .split(".SH \"EXIT STATUS\"")
+        .nth(1)
+        .and_then(|rest| rest.split(".SH ").next())
+        .expect("an EXIT STATUS section");
+    let roff = |text: &str| text.replace('-', "\\-");
+    for (code, meaning) in &codes {
+        assert!(
+            status.contains(&format!(".TP\n\\fB{}\\fR\n{}", roff(code), roff(meaning))),
+            "man page lacks exit {code}: {status}"
+        );
+    }
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = readme
+        .split("\n## Exit codes\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n## ").next())
+        .expect("README.md has an exit code section");
+    let first_cells: Vec<&str> = section
+        .lines()
+        .filter_map(|row| row.strip_prefix("| ")?.split(" |").next())
+        .collect();
+    for (code, _) in codes.iter().filter(|(code, _)| code.parse::<u8>().is_ok()) {
+        assert!(
+            first_cells.iter().any(|cell| cell
+                .split(|c: char| !c.is_ascii_digit())
+                .any(|word| word == code)),
+            "README.md's exit table has no row for {code}: {first_cells:?}"
+        );
+    }
+    assert!(man.contains(".SH \"EXAMPLES\""), "no EXAMPLES section");
+    assert!(
+        man.contains("[OPTIONS] \\-\\- <COMMAND>"),
+        "the synopsis shows the --"
+    );
+}

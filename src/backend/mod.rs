@@ -30,7 +30,7 @@ use crate::handoff::Farewell;
 use crate::handoff::TreeGone;
 use crate::holder::Holder;
 use crate::record::{Previous, RecordFacts};
-use crate::vocab::{CheckOutcome, LossReason};
+use crate::vocab::{CheckOutcome, LossReason, ENV_FENCING_TOKEN};
 use crate::window::{Claim, Schedule, UnixMicros, Window, WindowOutcome};
 
 /// Why the lock could not be taken or used. Every variant means "the app must not run": exit 69,
@@ -479,7 +479,7 @@ impl HeldLock {
     pub fn app_env(&self) -> Vec<(&'static str, String)> {
         self.0
             .fencing_token()
-            .map(|token| ("SENTINEL_GUARD_FENCING_TOKEN", token))
+            .map(|token| (ENV_FENCING_TOKEN, token))
             .into_iter()
             .collect()
     }

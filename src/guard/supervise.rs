@@ -12,7 +12,10 @@ use crate::handoff::Farewell;
 use crate::notify;
 use crate::outcome::Outcome;
 use crate::supervisor::{is_shutdown, AppEnv, Event, SignalEvents, StartError, Supervisor};
-use crate::vocab::{signal_name, AppStatus, LossReason};
+use crate::vocab::{
+    signal_name, AppStatus, LossReason, ENV_BACKEND, ENV_HOLDER_ID, ENV_NAME, ENV_WINDOW,
+    ENV_WINDOW_START,
+};
 
 use super::{at, command_outcome, lost, next_deadline, AppGone, Finished, Guard, HIDDEN_FROM_APP};
 
@@ -27,14 +30,14 @@ impl Guard<'_> {
     ) -> Finished {
         let config = self.config;
         let mut set = vec![
-            ("SENTINEL_GUARD_NAME", config.name.to_string()),
-            ("SENTINEL_GUARD_BACKEND", self.backend.to_owned()),
-            ("SENTINEL_GUARD_HOLDER_ID", self.holder.id.clone()),
+            (ENV_NAME, config.name.to_string()),
+            (ENV_BACKEND, self.backend.to_owned()),
+            (ENV_HOLDER_ID, self.holder.id.clone()),
         ];
         set.extend(held.iter().flat_map(HeldLock::app_env));
         if let Some(run) = window {
-            set.push(("SENTINEL_GUARD_WINDOW", run.window.index.to_string()));
-            set.push(("SENTINEL_GUARD_WINDOW_START", run.window.start_rfc3339()));
+            set.push((ENV_WINDOW, run.window.index.to_string()));
+            set.push((ENV_WINDOW_START, run.window.start_rfc3339()));
         }
         let env = AppEnv {
             remove: HIDDEN_FROM_APP,

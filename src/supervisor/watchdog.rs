@@ -47,7 +47,7 @@ use tracing_appender::non_blocking::WorkerGuard;
 use super::cgroup::AppCgroup;
 use crate::deadline::{BootTimer, Deadline};
 use crate::handoff::Farewell;
-use crate::vocab::{AppStatus, LossReason};
+use crate::vocab::{AppStatus, LossReason, ENV_BACKEND, ENV_HOLDER_ID, ENV_NAME};
 
 /// The fd on which the watchdog reads the guard's messages.
 const MESSAGE_FD: RawFd = 3;
@@ -638,9 +638,9 @@ impl Log {
         let context = |key| std::env::var(key).unwrap_or_default();
         let span = info_span!(
             "watchdog",
-            name = context("SENTINEL_GUARD_NAME"),
-            backend = context("SENTINEL_GUARD_BACKEND"),
-            holder_id = context("SENTINEL_GUARD_HOLDER_ID"),
+            name = context(ENV_NAME),
+            backend = context(ENV_BACKEND),
+            holder_id = context(ENV_HOLDER_ID),
             app_pid = self.group.map(Pid::as_raw),
         )
         .entered();
