@@ -219,9 +219,9 @@ pub struct Cli {
     )]
     pub if_unavailable: Option<IfUnavailable>,
 
-    /// Serve /metrics, /healthz and /leader over HTTP on this address, e.g. 0.0.0.0:9464 (default: off)
+    /// Serve /metrics, /healthz and /leader over HTTP on this address: HOST:PORT (a name is resolved once, at start), or :PORT for every interface, e.g. :9464 (default: off)
     #[arg(long, env = "SENTINEL_GUARD_METRICS_ADDR", value_name = "ADDR")]
-    pub metrics_addr: Option<std::net::SocketAddr>,
+    pub metrics_addr: Option<String>,
 
     /// Log format on stderr; the level is set with SENTINEL_GUARD_LOG (tracing filter syntax)
     #[arg(long, env = "SENTINEL_GUARD_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]

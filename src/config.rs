@@ -261,6 +261,11 @@ fn lock_target(args: &LockArgs) -> Result<(LockName, Option<Target>), ConfigErro
 impl Config {
     fn from_cli(cli: Cli, guard_switch: Option<&str>) -> Result<Config, ConfigError> {
         let guarded = parse_guard_switch(guard_switch)?;
+        if let Ok(filter) = std::env::var(crate::cli::LOG_FILTER_VAR) {
+            crate::logging::check_filter(&filter).map_err(|why| {
+                invalid(format!("{}={filter:?}: {why}", crate::cli::LOG_FILTER_VAR))
+            })?;
+        }
         let (name, mut target) = lock_target(&cli.lock)?;
         if cli.redis_min_replicas > 0 {
             match target.as_mut() {
@@ -333,7 +338,7 @@ impl Config {
             exit_code_map: ExitCodeMap::parse(&cli.exit_code_map)?,
             max_runtime: cli.max_runtime,
             schedule,
-            metrics_addr: cli.metrics_addr,
+            metrics_addr: cli.metrics_addr.as_deref().map(listen_addr).transpose()?,
             log_format: cli.log_format,
             command: cli.command,
         })
@@ -445,6 +450,37 @@ fn read_url_file(path: &Path) -> Result<String, ConfigError> {
         )));
     }
     Ok(url.to_owned())
+}
+
+/// `--metrics-addr`, in the forms Prometheus exporters take: `HOST:PORT` with an address or a name
+/// (resolved now; its first address), `[v6]:PORT`, or `:PORT` for every interface.
+fn listen_addr(raw: &str) -> Result<std::net::SocketAddr, ConfigError> {
+    use std::net::{SocketAddr, ToSocketAddrs};
+    let bad = |why: String| {
+        invalid(format!(
+            "--metrics-addr {raw:?}: {why}; expected HOST:PORT or :PORT"
+        ))
+    };
+    if let Some(port) = raw.strip_prefix(':') {
+        let port = port
+            .parse::<u16>()
+            .map_err(|e| bad(format!("port {port:?}: {e}")))?;
+        return Ok(SocketAddr::from(([0, 0, 0, 0], port)));
+    }
+    if let Ok(addr) = raw.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    let Some((host, port)) = raw.rsplit_once(':') else {
+        return Err(bad("no port".to_owned()));
+    };
+    let port = port
+        .parse::<u16>()
+        .map_err(|e| bad(format!("port {port:?}: {e}")))?;
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| bad(e.to_string()))?
+        .next()
+        .ok_or_else(|| bad(format!("{host:?} has no address")))
 }
 
 /// A lock name that is valid on every backend.
@@ -655,9 +691,15 @@ impl RedactedUrl {
             (Some(_), Some(_)) => format!("{user}:***@"),
             (Some(_), None) => format!("{user}@"),
         };
+        let mut secrets: Vec<String> = password.into_iter().collect();
+        let path = match path.split_once('?') {
+            Some((path, query)) => format!("{path}?{}", masked_query(query, &mut secrets)),
+            None => path.to_owned(),
+        };
+        secrets.retain(|secret| !secret.is_empty());
         RedactedUrl {
             shown: format!("{scheme}://{credentials}{hosts}{path}"),
-            secrets: password.into_iter().collect(),
+            secrets,
         }
     }
 
@@ -672,19 +714,8 @@ impl RedactedUrl {
                     .into_owned(),
             );
         }
-        // A driver that does not know `?password=` (or `?auth_token=`) echoes the URL it refuses.
-        let pairs: Vec<(String, String)> = url.query_pairs().into_owned().collect();
-        if pairs.iter().any(|(key, _)| holds_secret(key)) {
-            let mut query = shown.query_pairs_mut();
-            query.clear();
-            for (key, value) in pairs {
-                if holds_secret(&key) {
-                    query.append_pair(&key, "***");
-                    secrets.push(value);
-                } else {
-                    query.append_pair(&key, &value);
-                }
-            }
+        if let Some(query) = url.query() {
+            shown.set_query(Some(&masked_query(query, &mut secrets)));
         }
         secrets.retain(|secret| !secret.is_empty());
         RedactedUrl {
@@ -760,12 +791,53 @@ fn postgres_socket_with_credentials(raw: &str) -> Option<Result<Target, ConfigEr
     })
 }
 
-/// Whether a URL query parameter of this name carries a credential by its name.
-fn holds_secret(key: &str) -> bool {
-    let key = key.to_ascii_lowercase();
-    ["pass", "pwd", "secret", "token"]
-        .iter()
-        .any(|word| key.contains(word))
+/// A URL's query as it may be printed: the values of the parameters known to hold no secret, and
+/// `***` for every other (a driver that refuses `?password=`, or a misspelt `?pasword=`, echoes the
+/// URL). The hidden values join `secrets`, so a message that repeats one is scrubbed too; values
+/// too short to be a credential stay out, or every `1` of a message would be scrubbed.
+fn masked_query(query: &str, secrets: &mut Vec<String>) -> String {
+    const SHOWN: &[&str] = &[
+        "sslmode",
+        "sslrootcert",
+        "host",
+        "hostaddr",
+        "port",
+        "dbname",
+        "user",
+        "application_name",
+        "connect_timeout",
+        "target_session_attrs",
+        "socket",
+        "prefer_socket",
+        "require_ssl",
+        "verify_ca",
+        "verify_identity",
+        "wait_timeout",
+        "db",
+        "protocol",
+    ];
+    query
+        .split('&')
+        .map(|pair| {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let decode = |text: &str| {
+                url::form_urlencoded::parse(format!("x={text}").as_bytes())
+                    .next()
+                    .map(|(_, v)| v.into_owned())
+                    .unwrap_or_default()
+            };
+            if SHOWN.contains(&decode(key).to_ascii_lowercase().as_str()) {
+                pair.to_owned()
+            } else {
+                let value = decode(value);
+                if value.len() >= 4 {
+                    secrets.push(value);
+                }
+                format!("{key}=***")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("&")
 }
 
 impl fmt::Display for RedactedUrl {
@@ -819,9 +891,9 @@ impl Target {
                 // the root, far from the relative path the user meant. Only a path that starts at
                 // `/` (after `file:` or after `file://host`) is taken.
                 if !raw.get("file:".len()..).is_some_and(|rest| rest.starts_with('/')) {
-                    return Err(invalid(format!(
-                        "--url {raw}: not an absolute file path; use file:///abs/path.lock"
-                    )));
+                    return Err(invalid(
+                        "--url: a file: URL needs an absolute path; use file:///abs/path.lock",
+                    ));
                 }
                 if !matches!(url.host_str(), None | Some("") | Some("localhost")) {
                     return Err(invalid(format!(
@@ -1251,6 +1323,9 @@ mod tests {
             "mysql://guard@db/app?password=hunter2",
             "mysql://guard@db/app?PWD=hunter2&pool_min=1",
             "mysql://guard:x@db/app?auth_token=hunter2",
+            "mysql://guard@db/app?pasword=hunter2",
+            "postgres://guard:pw@/app?host=/run/pg&auth_token=hunter2",
+            "redis+sentinel://s1:26379,s2:26379/mymaster?apikey=hunter2",
         ] {
             let error = Target::parse(raw, "sg").unwrap_err().to_string();
             assert!(!error.contains("hunter2"), "{raw}: {error}");
@@ -1310,6 +1385,24 @@ mod tests {
         assert_eq!(t.url.to_string(), "postgres://guard:***@db:5432/app?sslmode=verify-ca&sslrootcert=/ca.pem&connect_timeout=3");
         assert_eq!(t.tls.ca_file, Some(PathBuf::from("/ca.pem")));
         assert_eq!(t.config.get_password(), Some(&b"s@cret"[..]));
+    }
+
+    #[test]
+    fn metrics_addresses_take_the_forms_exporters_take() {
+        let addr = |raw| listen_addr(raw).map(|a| a.to_string());
+        assert_eq!(addr(":9464").unwrap(), "0.0.0.0:9464");
+        assert_eq!(addr("127.0.0.1:9464").unwrap(), "127.0.0.1:9464");
+        assert_eq!(addr("[::1]:9464").unwrap(), "[::1]:9464");
+        assert!(addr("localhost:9464").unwrap().ends_with(":9464"));
+        for bad in [
+            "9464",
+            ":x",
+            "localhost",
+            ":70000",
+            "no-such-host.invalid:9464",
+        ] {
+            assert!(listen_addr(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

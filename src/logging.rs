@@ -43,6 +43,24 @@ pub fn inherited_format() -> LogFormat {
     }
 }
 
+/// Whether `raw` is a filter that means what it says. tracing's syntax reads a bare word as a target
+/// name, so a mistyped level (`bogus`, `verbose`) would be a filter that logs nothing at all.
+pub fn check_filter(raw: &str) -> Result<(), String> {
+    EnvFilter::try_new(raw).map_err(|e| e.to_string())?;
+    for directive in raw.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let bare = !directive.contains(['=', '[']);
+        let level = ["trace", "debug", "info", "warn", "error", "off"]
+            .contains(&directive.to_ascii_lowercase().as_str());
+        let ours = directive == "sentinel_guard" || directive.starts_with("sentinel_guard::");
+        if bare && !level && !ours {
+            return Err(format!(
+                "{directive:?} is neither a level (error, warn, info, debug, trace, off) nor target=level"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Lines a full stderr may hold back before new ones are dropped.
 const BUFFERED_LINES: usize = 1024;
 
@@ -122,5 +140,26 @@ fn parse_object(text: &str) -> Map<String, Value> {
     match serde_json::from_str(text) {
         Ok(Value::Object(map)) => map,
         _ => Map::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_filter_that_would_log_nothing_by_mistake_is_refused() {
+        for good in [
+            "debug",
+            "INFO",
+            "warn,sentinel_guard=debug",
+            "sentinel_guard::backend=trace",
+            "off",
+        ] {
+            assert!(check_filter(good).is_ok(), "{good}");
+        }
+        for bad in ["bogus", "verbose", "info,loud", "=debug"] {
+            assert!(check_filter(bad).is_err(), "{bad}");
+        }
     }
 }

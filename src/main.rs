@@ -123,20 +123,51 @@ fn print_generated(
 /// shows the form that works.
 fn with_separator_hint(mut error: clap::Error) -> clap::Error {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
-    let separated = std::env::args_os().any(|arg| arg == "--");
-    let stray_word = matches!(
-        error.get(ContextKind::InvalidArg),
-        Some(ContextValue::String(arg)) if !arg.starts_with('-')
+    let args: Vec<String> = std::env::args_os()
+        .map(|arg| arg.to_string_lossy().into_owned())
+        .collect();
+    let separated = args.iter().any(|arg| arg == "--");
+    let stray = match error.get(ContextKind::InvalidArg) {
+        Some(ContextValue::String(arg)) => Some(arg.clone()),
+        _ => None,
+    };
+    // `--wait` takes its value only after `=` (alone it means forever), which flock's `-w 30` habit
+    // and `-w5s` both miss.
+    let wait_value = stray.as_deref().and_then(|stray| {
+        let before = args
+            .iter()
+            .position(|arg| arg == stray)
+            .and_then(|at| at.checked_sub(1))
+            .map(|at| args[at].as_str());
+        match before {
+            Some("--wait" | "-w") if !stray.starts_with('-') => Some(stray.to_owned()),
+            _ => args
+                .iter()
+                .take_while(|arg| *arg != "--")
+                .find_map(|arg| {
+                    arg.strip_prefix("-w")
+                        .filter(|v| !v.is_empty() && !v.starts_with('='))
+                })
+                .map(str::to_owned),
+        }
+    });
+    let hint = match (&wait_value, &stray) {
+        (Some(value), _) if error.kind() == ErrorKind::UnknownArgument => format!(
+            "--wait takes its duration after `=`: --wait={value} (--wait alone waits forever)"
+        ),
+        (None, Some(stray))
+            if error.kind() == ErrorKind::UnknownArgument
+                && !stray.starts_with('-')
+                && !separated =>
+        {
+            "put the command after `--`: sentinel-guard [OPTIONS] -- <COMMAND> [ARGS]...".to_owned()
+        }
+        _ => return error,
+    };
+    error.insert(
+        ContextKind::Suggested,
+        ContextValue::StyledStrs(vec![hint.into()]),
     );
-    if error.kind() == ErrorKind::UnknownArgument && stray_word && !separated {
-        error.insert(
-            ContextKind::Suggested,
-            ContextValue::StyledStrs(vec![
-                "put the command after `--`: sentinel-guard [OPTIONS] -- <COMMAND> [ARGS]..."
-                    .into(),
-            ]),
-        );
-    }
     error
 }
 

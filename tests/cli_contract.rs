@@ -176,6 +176,52 @@ fn exit_status_passes_through() {
     );
 }
 
+/// The look-up before the lock searches `PATH` as exec does: past a script whose interpreter is
+/// missing (and past a file that is not executable) to the next entry that runs.
+#[test]
+fn the_command_look_up_searches_path_as_exec_does() {
+    use std::os::unix::fs::PermissionsExt;
+    let mut lab = Lab::new();
+    let url = lab.file_url("path.lock");
+    let (first, second, third) = (lab.path("a"), lab.path("b"), lab.path("c"));
+    for (dir, script, mode) in [
+        (&first, "#!/nonexistent/interpreter\n", 0o755),
+        (&second, "#!/bin/sh\nexit 3\n", 0o644),
+        (&third, "#!/bin/sh\nexit 5\n", 0o755),
+    ] {
+        std::fs::create_dir(dir).unwrap();
+        let tool = dir.join("sg-tool");
+        std::fs::write(&tool, script).unwrap();
+        std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    let path = format!(
+        "{}:{}:{}:{}",
+        first.display(),
+        second.display(),
+        third.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut cmd = lab.command(&["--url", &url, "--name", "path"], &["sg-tool"]);
+    cmd.env("PATH", &path);
+    let mut guard = lab.start(cmd);
+    assert_eq!(
+        guard.code(Duration::from_secs(5)),
+        5,
+        "{}",
+        guard.log_text()
+    );
+    std::fs::remove_file(third.join("sg-tool")).unwrap();
+    let mut cmd = lab.command(&["--url", &url, "--name", "path"], &["sg-tool"]);
+    cmd.env("PATH", &path);
+    let mut guard = lab.start(cmd);
+    assert_eq!(
+        guard.code(Duration::from_secs(5)),
+        126,
+        "a denied candidate wins, as for exec: {}",
+        guard.log_text()
+    );
+}
+
 #[test]
 fn unguarded_mode_runs_the_app_while_the_lock_is_held_elsewhere() {
     let mut lab = Lab::new();

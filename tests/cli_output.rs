@@ -78,6 +78,32 @@ fn a_command_without_the_separator_gets_a_hint_showing_it() {
     assert!(!guard.log_text().contains("put the command after"));
 }
 
+/// flock's habit (`-w 30`) and `-w5s` leave `--wait`'s value where clap does not take it: the error
+/// says the form that works.
+#[test]
+fn a_wait_value_without_equals_gets_a_hint_showing_it() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("wait-hint.lock");
+    for (args, value) in [
+        (&["--wait", "30s"][..], "30s"),
+        (&["-w", "30s"], "30s"),
+        (&["-w5s"], "5s"),
+    ] {
+        let args = [&["--url", url.as_str(), "--name", "x"][..], args].concat();
+        let cmd = lab.command(&args, &["true"]);
+        let mut guard = lab.start(cmd);
+        assert_eq!(guard.code(Duration::from_secs(10)), 2, "{args:?}");
+        let log = guard.log_text();
+        assert!(
+            log.contains(&format!(
+                "--wait takes its duration after `=`: --wait={value}"
+            )),
+            "{args:?}: {log}"
+        );
+        assert!(!log.contains("put the command after"), "{args:?}: {log}");
+    }
+}
+
 /// The `guard_exiting` line of a text-format log.
 fn exit_line(log: &str) -> String {
     let line = log

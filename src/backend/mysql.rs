@@ -1314,6 +1314,18 @@ impl SessionWatcher for Watcher {
     fn release(&self, conn: Conn) -> impl Future<Output = Result<(), LockError>> + Send + '_ {
         self.give_back(conn)
     }
+
+    /// The unanswered check's answer would be read as the release's own: the session is closed
+    /// instead (a cancelled statement leaves the driver nothing to send on its way out).
+    async fn abandon(&self, conn: Conn) -> Result<(), LockError> {
+        drop(conn);
+        warn!(
+            event = "release_failed",
+            connection_id = self.conn_id,
+            "the last check had no answer in time; closed the session instead, which frees the lock, and the next holder waits the takeover bound"
+        );
+        Ok(())
+    }
 }
 
 impl Watcher {

@@ -1173,6 +1173,11 @@ impl SessionWatcher for Watcher {
     fn release(&self, client: Client) -> impl Future<Output = Result<(), LockError>> + Send + '_ {
         self.give_back(client)
     }
+
+    /// The driver matches each answer to its own request, so a late one misleads nothing.
+    fn abandon(&self, client: Client) -> impl Future<Output = Result<(), LockError>> + Send + '_ {
+        self.give_back(client)
+    }
 }
 
 /// A TCP stream to the lock session's server, and the TLS the cancel request will be sent with: what

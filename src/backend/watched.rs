@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::sync::oneshot::error::TryRecvError;
 use tokio::sync::{oneshot, watch, Notify};
 use tokio::task::JoinHandle;
-use tracing::{debug, warn, Instrument};
+use tracing::{debug, Instrument};
 
 use async_trait::async_trait;
 
@@ -193,6 +193,12 @@ pub trait SessionWatcher: Send + Sync + 'static {
 
     /// Gives the lock back and closes the session (which frees the lock even where that failed).
     fn release(&self, conn: Self::Conn) -> impl Future<Output = Result<(), LockError>> + Send + '_;
+
+    /// `release`, for a session whose last check had no answer in time. A driver that would read
+    /// that answer as the next statement's (MySQL's: a row of another shape aborts a release build)
+    /// closes the session without a word, which frees the lock as surely, and leaves the record
+    /// `held`, so the next holder waits the takeover bound. One that keeps answers apart releases.
+    fn abandon(&self, conn: Self::Conn) -> impl Future<Output = Result<(), LockError>> + Send + '_;
 }
 
 /// An answer counts only if it came within the budget of being sent: a guard frozen past it reads a
@@ -320,18 +326,7 @@ async fn watch_session<W: SessionWatcher>(
             // Interrupting the check can fail it; release all the same, which logs how the
             // session ended.
             (_, Some(true)) => return watcher.release(conn).await,
-            // A check cut off by its bound leaves its answer unread on the session, where the
-            // release's statements would read it as their own (MySQL's driver panics on a row of
-            // another shape). Closing the session frees the lock as surely; the record stays
-            // `held`, so the next holder waits the takeover bound.
-            (_, Some(false)) => {
-                drop(conn);
-                warn!(
-                    event = "release_failed",
-                    "the last check had no answer in time; closed the session instead, which frees the lock"
-                );
-                return Ok(());
-            }
+            (_, Some(false)) => return watcher.abandon(conn).await,
             (Check::Lost(loss), None) => {
                 let closed = loss.reason == LossReason::ConnectionClosed;
                 ends.report(loss);

@@ -154,6 +154,12 @@ impl Guard<'_> {
         window: &Window,
         signals: &mut SignalEvents,
     ) -> Tried {
+        // Looked at again for each window, before the lock is taken: a resident scheduler's
+        // command can vanish between windows, and a window is claimed only for a command that can
+        // start.
+        if let Err(outcome) = self.command_runs() {
+            return Tried::Stopped(outcome);
+        }
         let request = LockRequest {
             name: &self.config.name,
             timings: &self.config.timings,
@@ -192,12 +198,6 @@ impl Guard<'_> {
             }
             Err(_) => return Tried::NotNow("the lock was lost during the takeover delay"),
         };
-        // Looked at again just before the claim: a resident scheduler's command can vanish between
-        // windows, and a window is claimed only for a command that can start.
-        if let Err(outcome) = self.command_runs() {
-            self.release_unused(Some(held)).await;
-            return Tried::Stopped(outcome);
-        }
         let claim = self.claim_request(schedule, window);
         let answer = tokio::select! {
             answer = held.claim(&claim) => Some(answer),

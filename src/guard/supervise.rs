@@ -93,8 +93,12 @@ impl Guard<'_> {
                     | StartError::DeadlinePassed
                     | StartError::CgroupJoin(_) => Outcome::Internal,
                 };
-                // A claimed window whose command never ran says so in its record, under the lock.
-                if let (Some(run), Some(lock)) = (window, held.as_mut()) {
+                // A claimed window whose command never ran says so in its record, under the lock
+                // while it is still known to be ours.
+                let ours = held
+                    .as_ref()
+                    .is_some_and(|lock| lock.known_lost().is_none());
+                if let (Some(run), Some(lock), true) = (window, held.as_mut(), ours) {
                     let code = outcome.exit_code(config.held_exit_code, &config.exit_code_map);
                     if let Err(e) = lock.record_end(run, code).await {
                         warn!(event = "run_end_unrecorded", window = run.window.index, error = %e, "cannot record that the window's command did not start");

@@ -39,54 +39,62 @@ pub enum SpawnError {
 /// execute `command`: the same search as its exec (each entry of the app's `PATH` in turn, past
 /// missing and forbidden ones), and for a script, whether its `#!` interpreter exists. A scheduled
 /// window is then never used up by a command that cannot start. A command that passes can still fail
-/// at exec (the file changed meanwhile): `spawn` reports that as before.
+/// at exec (the file changed meanwhile, or an interpreter that is itself a script lacks its own):
+/// `spawn` reports that as before.
 pub fn resolve(command: &[OsString]) -> Result<(), SpawnError> {
     let (program, _) = command.split_first().expect("clap requires a command");
     let describe = || program.to_string_lossy().into_owned();
     let path = std::env::var_os("PATH");
-    let mut denied = false;
+    // What exec would say at the end of its search, as `Exec::run` keeps it: a denied candidate
+    // wins over missing ones.
+    let mut denied = None;
+    let mut missing_interpreter = None;
     for candidate in search(program.as_bytes(), path.as_ref().map(|p| p.as_bytes())) {
         let candidate = std::path::PathBuf::from(OsString::from_vec(candidate));
-        match std::fs::metadata(&candidate) {
+        let errno = match std::fs::metadata(&candidate) {
             Ok(meta) if meta.is_file() && executable(&candidate) => {
-                return match interpreter(&candidate) {
-                    Some(interpreter) if !executable(Path::new(&interpreter)) => {
-                        match std::fs::metadata(&interpreter) {
-                            Ok(_) => Err(SpawnError::NotExecutable {
-                                command: describe(),
-                                source: io::Error::new(
-                                    io::ErrorKind::PermissionDenied,
-                                    format!(
-                                        "its interpreter {} (from its #! line) cannot be executed",
-                                        interpreter.to_string_lossy()
-                                    ),
-                                ),
-                            }),
-                            Err(_) => Err(SpawnError::InterpreterNotFound {
-                                command: describe(),
-                                interpreter: interpreter.to_string_lossy().into_owned(),
-                            }),
+                match interpreter(&candidate) {
+                    None => return Ok(()),
+                    Some(interpreter) if executable(Path::new(&interpreter)) => return Ok(()),
+                    // Exec fails as for the interpreter: not found goes on searching, as does
+                    // not permitted.
+                    Some(interpreter) => match std::fs::metadata(&interpreter) {
+                        Ok(_) => libc::EACCES,
+                        Err(_) => {
+                            missing_interpreter.get_or_insert(interpreter);
+                            libc::ENOENT
                         }
-                    }
-                    _ => Ok(()),
-                };
+                    },
+                }
             }
-            // A directory, a device, a file without execute permission: exec says EACCES, and
-            // the search goes on, as execvp's does.
-            Ok(_) => denied = true,
-            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => denied = true,
-            Err(_) => {}
+            // A directory, a device, a file without execute permission.
+            Ok(_) => libc::EACCES,
+            Err(e) => e.raw_os_error().unwrap_or(libc::EIO),
+        };
+        match errno {
+            libc::EACCES => denied = Some(io::Error::from_raw_os_error(libc::EACCES)),
+            libc::ENOENT | libc::ENOTDIR | libc::ESTALE | libc::ENODEV | libc::ETIMEDOUT => {}
+            // Where exec stops its search (a loop of links, a name too long, an I/O error).
+            other => {
+                return Err(SpawnError::NotExecutable {
+                    command: describe(),
+                    source: io::Error::from_raw_os_error(other),
+                })
+            }
         }
     }
-    Err(if denied {
-        SpawnError::NotExecutable {
+    Err(match (denied, missing_interpreter) {
+        (Some(source), _) => SpawnError::NotExecutable {
             command: describe(),
-            source: io::Error::from_raw_os_error(libc::EACCES),
-        }
-    } else {
-        SpawnError::NotFound {
+            source,
+        },
+        (None, Some(interpreter)) => SpawnError::InterpreterNotFound {
             command: describe(),
-        }
+            interpreter: interpreter.to_string_lossy().into_owned(),
+        },
+        (None, None) => SpawnError::NotFound {
+            command: describe(),
+        },
     })
 }
 
@@ -95,12 +103,21 @@ fn executable(path: &Path) -> bool {
     nix::unistd::access(path, nix::unistd::AccessFlags::X_OK).is_ok()
 }
 
-/// The interpreter a `#!` line names, if the file starts with one and can be read.
+/// The interpreter a `#!` line names, if the file starts with one and can be read. Opened without
+/// waiting (a FIFO swapped in since the stat must not hold the guard) and read only if it is still
+/// a regular file.
 fn interpreter(script: &Path) -> Option<OsString> {
-    let mut head = [0u8; 256];
-    let read = File::open(script)
-        .and_then(|mut f| f.read(&mut head))
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(script)
         .ok()?;
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
+    let mut head = [0u8; 256];
+    let read = file.read(&mut head).ok()?;
     let line = head[..read].strip_prefix(b"#!")?;
     let line = &line[..line.iter().position(|b| *b == b'\n').unwrap_or(line.len())];
     let name = line

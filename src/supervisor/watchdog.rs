@@ -663,11 +663,12 @@ fn watch(
             Action::Kill if switch.teardown => {
                 // A backstop to the guard's own kill, which is due at the same moment: worth a
                 // warning only when something of the app was still alive for it. A clean exit with
-                // `--grace-period 0s` reaches this deadline with nothing left; that is no alarm. Two
-                // reads of /proc or cgroupfs, which never wait on the app.
-                let alive = log.group.is_some_and(|group| reach.anything_left(group));
+                // `--grace-period 0s` reaches this deadline with nothing left; that is no alarm.
+                let alive_before = reach.cgroup_populated();
                 reach.signal(log.group, Signal::SIGKILL);
                 switch.killed_in_teardown();
+                let alive = alive_before
+                    .unwrap_or_else(|| log.group.is_some_and(|group| reach.group_alive(group)));
                 if alive {
                     log.on();
                     warn!(
@@ -820,14 +821,19 @@ impl Reach {
         }
     }
 
-    /// Whether a live process of the app may be left, from one look that never waits: its cgroup
-    /// (a process counts out of it when it exits, unreaped or not), else its group. Unreadable counts
-    /// as alive.
-    fn anything_left(&self, group: Pid) -> bool {
-        match &self.cgroup {
-            Some(cgroup) => !cgroup.is_empty().unwrap_or(false),
-            None => super::tree::live_group_members(group).map_or(true, |left| !left.is_empty()),
-        }
+    /// Whether the app's cgroup holds a live process (a process counts out of it when it exits,
+    /// reaped or not), from one read that never waits: cheap enough to come before a kill. `None`
+    /// without a cgroup. Unreadable counts as populated.
+    fn cgroup_populated(&self) -> Option<bool> {
+        self.cgroup
+            .as_ref()
+            .map(|cgroup| !cgroup.is_empty().unwrap_or(false))
+    }
+
+    /// Whether the app's group still has a live member: a walk of /proc, so only after the kill.
+    /// Unreadable counts as alive.
+    fn group_alive(&self, group: Pid) -> bool {
+        super::tree::live_group_members(group).map_or(true, |left| !left.is_empty())
     }
 
     /// Whether anything of the app is left: its group, or its cgroup.
