@@ -143,9 +143,10 @@ pub struct Cli {
     #[arg(long, env = "SENTINEL_GUARD_CHECK_INTERVAL", default_value = "1s", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub check_interval: Duration,
 
-    /// Redis or etcd lease duration; a lease not renewed for this long expires (at most 1d)
-    #[arg(long, env = "SENTINEL_GUARD_TTL", default_value = "30s", value_parser = humantime::parse_duration, value_name = "DUR")]
-    pub ttl: Duration,
+    /// Redis or etcd lease duration; a lease not renewed for this long expires (at most 1d; it must
+    /// exceed --grace-period plus a renewal and its margin) [default: 30s]
+    #[arg(long, env = "SENTINEL_GUARD_TTL", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub ttl: Option<Duration>,
 
     /// How often the Redis or etcd lease is renewed, at most 1d [default: ttl/3]
     #[arg(long, env = "SENTINEL_GUARD_RENEW_INTERVAL", value_parser = humantime::parse_duration, value_name = "DUR")]
@@ -156,13 +157,13 @@ pub struct Cli {
     #[arg(long, env = "SENTINEL_GUARD_REDIS_MIN_REPLICAS", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=16), value_name = "N")]
     pub redis_min_replicas: u32,
 
-    /// Wait for the lock instead of exiting: forever, or up to DUR (at most 365d) and then exit with the held code
+    /// Wait for the lock instead of exiting: forever, or up to DUR (at most 1y) and then exit with the held code
     #[arg(short = 'w', long, env = "SENTINEL_GUARD_WAIT", num_args = 0..=1, require_equals = true, default_missing_value = "forever", value_name = "DUR")]
     pub wait: Option<String>,
 
     /// With --wait: after a lock loss, stop the command and wait for the lock again as a standby
     /// instead of exiting 75
-    #[arg(long, env = "SENTINEL_GUARD_REJOIN")]
+    #[arg(long, env = "SENTINEL_GUARD_REJOIN", value_parser = clap::builder::BoolishValueParser::new())]
     pub rejoin: bool,
 
     /// After acquiring, hold the lock before starting the command when the previous holder's app may
@@ -190,17 +191,17 @@ pub struct Cli {
     )]
     pub exit_code_map: Vec<String>,
 
-    /// Stop the command gracefully after this long and exit 124 (watchdog for cron-style jobs; at most 365d)
+    /// Stop the command gracefully after this long and exit 124 (watchdog for cron-style jobs; at most 1y)
     #[arg(long, env = "SENTINEL_GUARD_MAX_RUNTIME", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub max_runtime: Option<Duration>,
 
     /// Scheduled job, resident: at each window of DUR (on the backend's clock) one replica claims the
-    /// window and runs the command; the guard stays up between runs (whole seconds, 1s to 365d)
+    /// window and runs the command; the guard stays up between runs (whole seconds, 1s to 1y)
     #[arg(long, env = "SENTINEL_GUARD_EVERY", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub every: Option<Duration>,
 
     /// Scheduled job, one shot (a cron line on every host): run the command if the current window of
-    /// DUR is unclaimed, else exit 0 without running it (whole seconds, 1s to 365d)
+    /// DUR is unclaimed, else exit 0 without running it (whole seconds, 1s to 1y)
     #[arg(long, env = "SENTINEL_GUARD_ONCE_PER", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub once_per: Option<Duration>,
 
@@ -266,14 +267,9 @@ pub struct LockArgs {
     #[arg(long, env = "SENTINEL_GUARD_CA_FILE", value_name = "PATH")]
     pub ca_file: Option<PathBuf>,
 
-    /// Prefix of the Redis keys: <prefix>:{<name>}, <prefix>:{<name>}:fence, ...:clean, ...:released
-    #[arg(
-        long,
-        env = "SENTINEL_GUARD_REDIS_PREFIX",
-        default_value = "sentinel-guard",
-        value_name = "P"
-    )]
-    pub redis_prefix: String,
+    /// Redis only: prefix of the keys, <prefix>:{<name>}, <prefix>:{<name>}:fence, ...:clean, ...:released [default: sentinel-guard]
+    #[arg(long, env = "SENTINEL_GUARD_REDIS_PREFIX", value_name = "P")]
+    pub redis_prefix: Option<String>,
 }
 
 #[derive(Debug, clap::Subcommand)]

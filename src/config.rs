@@ -65,9 +65,11 @@ pub const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 pub const MAX_TTL: Duration = DAY;
 pub const MAX_RENEW_INTERVAL: Duration = DAY;
 pub const MAX_TAKEOVER_DELAY: Duration = HOUR;
-pub const MAX_WAIT: Duration = Duration::from_secs(365 * 86_400);
-pub const MAX_MAX_RUNTIME: Duration = Duration::from_secs(365 * 86_400);
-pub const MAX_WINDOW: Duration = Duration::from_secs(365 * 86_400);
+/// humantime's year (365.25 days): `1y` is the longest wait, run or window.
+const YEAR: Duration = Duration::from_secs(31_557_600);
+pub const MAX_WAIT: Duration = YEAR;
+pub const MAX_MAX_RUNTIME: Duration = YEAR;
+pub const MAX_WINDOW: Duration = YEAR;
 
 /// The bounds of the timeouts the guard and `status` share.
 fn bound_lock_timeouts(lock: &LockArgs) -> Result<(), ConfigError> {
@@ -84,8 +86,8 @@ fn at_most(option: &str, value: Duration, max: Duration) -> Result<(), ConfigErr
     if value > max {
         return Err(invalid(format!(
             "{option} {} is above its maximum of {}",
-            humantime::format_duration(value),
-            humantime::format_duration(max)
+            crate::vocab::show_duration(value),
+            crate::vocab::show_duration(max)
         )));
     }
     Ok(())
@@ -140,6 +142,8 @@ pub struct Config {
     /// `--every` or `--once-per`: runs in windows rather than one run under a held lock.
     pub schedule: Option<Schedule>,
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Options given that do not apply to the backend (`not_applicable`), said at start.
+    pub ignored_options: Vec<&'static str>,
     pub log_format: LogFormat,
     pub command: Vec<OsString>,
 }
@@ -245,7 +249,8 @@ fn lock_target(args: &LockArgs) -> Result<(LockName, Option<Target>), ConfigErro
     let target = raw_url
         .map(|(raw, file)| {
             // What is wrong with the URL is said of the file it came from.
-            let target = Target::parse(&raw, &args.redis_prefix).map_err(|e| match file {
+            let prefix = args.redis_prefix.as_deref().unwrap_or(DEFAULT_REDIS_PREFIX);
+            let target = Target::parse(&raw, prefix).map_err(|e| match file {
                 Some(path) => e.said_of_url_file(path),
                 None => e,
             })?;
@@ -283,6 +288,11 @@ impl Config {
                  or SINGLE_INSTANCE_GUARD=false to run unguarded",
             ));
         }
+        let ignored = match target.as_ref().filter(|_| guarded) {
+            Some(target) => not_applicable(&cli, target),
+            None => Vec::new(),
+        };
+        let ttl = cli.ttl.unwrap_or(DEFAULT_TTL);
         // Bounds first, so every later computation stays well inside Duration's range.
         bound_lock_timeouts(&cli.lock)?;
         for (option, value, max) in [
@@ -292,7 +302,7 @@ impl Config {
                 Some(cli.check_interval),
                 MAX_CHECK_INTERVAL,
             ),
-            ("--ttl", Some(cli.ttl), MAX_TTL),
+            ("--ttl", cli.ttl, MAX_TTL),
             ("--renew-interval", cli.renew_interval, MAX_RENEW_INTERVAL),
             ("--max-runtime", cli.max_runtime, MAX_MAX_RUNTIME),
         ] {
@@ -305,8 +315,8 @@ impl Config {
             check_timeout: cli.lock.check_timeout,
             connect_timeout: cli.lock.connect_timeout,
             grace_period: cli.grace_period,
-            ttl: cli.ttl,
-            renew_interval: cli.renew_interval.unwrap_or(cli.ttl / 3),
+            ttl,
+            renew_interval: cli.renew_interval.unwrap_or(ttl / 3),
         };
         timings.validate(target.as_ref())?;
         let wait = Wait::parse(cli.wait.as_deref())?;
@@ -339,6 +349,7 @@ impl Config {
             max_runtime: cli.max_runtime,
             schedule,
             metrics_addr: cli.metrics_addr.as_deref().map(listen_addr).transpose()?,
+            ignored_options: ignored,
             log_format: cli.log_format,
             command: cli.command,
         })
@@ -378,7 +389,7 @@ fn schedule(
         if value.subsec_nanos() != 0 {
             return Err(invalid(format!(
                 "{what} {} must be a whole number of seconds",
-                humantime::format_duration(value)
+                crate::vocab::show_duration(value)
             )));
         }
     }
@@ -388,8 +399,8 @@ fn schedule(
     if offset >= period {
         return Err(invalid(format!(
             "--window-offset {} must be shorter than the window ({option} {})",
-            humantime::format_duration(offset),
-            humantime::format_duration(period)
+            crate::vocab::show_duration(offset),
+            crate::vocab::show_duration(period)
         )));
     }
     if let Some(Target::Etcd(_)) = target {
@@ -415,15 +426,39 @@ fn schedule(
     }))
 }
 
+/// The words every yes-or-no variable takes (`--rejoin`'s `SENTINEL_GUARD_REJOIN` through clap's
+/// `BoolishValueParser`, which reads the same): any case; anything else, an empty value too, exits 2.
 fn parse_guard_switch(value: Option<&str>) -> Result<bool, ConfigError> {
     let Some(value) = value else { return Ok(true) };
     match value.trim().to_ascii_lowercase().as_str() {
-        "true" | "1" | "yes" | "on" => Ok(true),
-        "false" | "0" | "no" | "off" => Ok(false),
+        "true" | "t" | "1" | "yes" | "y" | "on" => Ok(true),
+        "false" | "f" | "0" | "no" | "n" | "off" => Ok(false),
         _ => Err(invalid(format!(
-            "SINGLE_INSTANCE_GUARD={value:?} is neither true/1/yes/on nor false/0/no/off"
+            "{}={value:?} is neither true/1/yes/y/on/t nor false/0/no/n/off/f",
+            crate::cli::GUARD_SWITCH_VAR
         ))),
     }
+}
+
+/// `--ttl`'s default: a lease not renewed for this long expires.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
+/// `--redis-prefix`'s default.
+pub const DEFAULT_REDIS_PREFIX: &str = "sentinel-guard";
+
+/// The options given that only tune a backend other than `target`'s: ignored, and said at start.
+/// (Options that promise what the backend cannot keep, `--redis-min-replicas` or `--ca-file`
+/// without TLS, are refused instead.)
+fn not_applicable(cli: &Cli, target: &Target) -> Vec<&'static str> {
+    let leased = matches!(target, Target::Redis(_) | Target::Etcd(_));
+    let redis = matches!(target, Target::Redis(_));
+    [
+        ("--ttl", cli.ttl.is_some() && !leased),
+        ("--renew-interval", cli.renew_interval.is_some() && !leased),
+        ("--redis-prefix", cli.lock.redis_prefix.is_some() && !redis),
+    ]
+    .into_iter()
+    .filter_map(|(option, ignored)| ignored.then_some(option))
+    .collect()
 }
 
 /// The one URL a `--url-file` holds. Blank lines and the whitespace around the URL (spaces, tabs, a
@@ -1065,7 +1100,7 @@ impl Timings {
     }
 
     pub fn validate(&self, target: Option<&Target>) -> Result<(), ConfigError> {
-        let show = |d: Duration| humantime::format_duration(d).to_string();
+        let show = |d: Duration| crate::vocab::show_duration(d);
         if self.check_interval < MIN_CHECK_INTERVAL {
             return Err(invalid(format!(
                 "--check-interval {} is below the minimum of {}",
@@ -1108,7 +1143,7 @@ impl Timings {
     /// told to stop grace-period before the lease can run out. So one renewal must always fit between
     /// the last confirmed one and the moment the stop begins.
     fn validate_lease(&self) -> Result<(), ConfigError> {
-        let show = |d: Duration| humantime::format_duration(d).to_string();
+        let show = |d: Duration| crate::vocab::show_duration(d);
         if self.renew_interval.is_zero() {
             return Err(invalid("--renew-interval must be longer than 0s"));
         }
@@ -1601,6 +1636,37 @@ mod never_panics {
         Invocation::from_cli(cli, guard_switch).map_err(|e| e.to_string())
     }
 
+    #[test]
+    fn options_of_another_backend_are_ignored_and_said_and_yes_or_no_words_are_one_set() {
+        let ignored =
+            |url: &str, flags: &[(&str, String)]| match invocation(&guard_args(url, flags), None) {
+                Ok(Invocation::Guard(config)) => config.ignored_options,
+                other => panic!("{url}: {:?}", other.err()),
+            };
+        let lease = [
+            ("--ttl", "40s".to_owned()),
+            ("--renew-interval", "1s".to_owned()),
+        ];
+        let prefix = [("--redis-prefix", "a b".to_owned())];
+        assert_eq!(
+            ignored("file:///tmp/o.lock", &lease),
+            ["--ttl", "--renew-interval"]
+        );
+        assert_eq!(ignored("mysql://u@h/db", &prefix), ["--redis-prefix"]);
+        assert!(ignored("redis://h:6379", &lease).is_empty());
+        assert!(ignored("etcd://h:2379", &lease).is_empty());
+        assert!(ignored("file:///tmp/o.lock", &[]).is_empty());
+        for word in ["TRUE", "t", "1", "Yes", "y", "on"] {
+            assert!(parse_guard_switch(Some(word)).unwrap(), "{word}");
+        }
+        for word in ["FALSE", "f", "0", "No", "n", "off"] {
+            assert!(!parse_guard_switch(Some(word)).unwrap(), "{word}");
+        }
+        for word in ["", "perhaps", "2"] {
+            assert!(parse_guard_switch(Some(word)).is_err(), "{word:?}");
+        }
+    }
+
     fn guard_args(url: &str, flags: &[(&str, String)]) -> Vec<String> {
         let mut args = vec![
             "sentinel-guard".to_owned(),
@@ -1701,8 +1767,8 @@ mod never_panics {
         let ok = guard_args(
             "file:///tmp/prop.lock",
             &[
-                ("--max-runtime", "365d".to_owned()),
-                ("--wait", "365d".to_owned()),
+                ("--max-runtime", "1y".to_owned()),
+                ("--wait", "1y".to_owned()),
             ],
         );
         assert!(invocation(&ok, None).is_ok());

@@ -16,6 +16,37 @@ pub const EXIT_MAX_RUNTIME: u8 = 124;
 pub const EXIT_NOT_EXECUTABLE: u8 = 126;
 pub const EXIT_NOT_FOUND: u8 = 127;
 
+/// A duration as every message and log line shows it: humantime's units from days down, rounded to
+/// the millisecond (to the nanosecond below one), so `--ttl 1s` renews every `333ms`, not
+/// `333ms 333us 333ns`, and a year's bound reads `365d 6h`, not in humantime's months of 30.44 days.
+/// `humantime::parse_duration` reads it back.
+pub fn show_duration(duration: std::time::Duration) -> String {
+    const MS: u128 = 1_000_000;
+    let nanos = duration.as_nanos();
+    if nanos < MS {
+        return match nanos {
+            0 => "0s".to_owned(),
+            n if n % 1_000 == 0 => format!("{}us", n / 1_000),
+            n => format!("{n}ns"),
+        };
+    }
+    let mut ms = (nanos + MS / 2) / MS;
+    let mut parts = Vec::new();
+    for (unit, size) in [
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1_000),
+        ("ms", 1),
+    ] {
+        if ms >= size {
+            parts.push(format!("{}{unit}", ms / size));
+            ms %= size;
+        }
+    }
+    parts.join(" ")
+}
+
 /// The variables the guard sets in the app's environment (what each means: `cli::APP_ENV`).
 pub const ENV_NAME: &str = "SENTINEL_GUARD_NAME";
 pub const ENV_BACKEND: &str = "SENTINEL_GUARD_BACKEND";
@@ -199,6 +230,27 @@ pub fn signal_name(signal: i32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_show_rounded_in_units_humantime_reads_back() {
+        use std::time::Duration;
+        for (duration, shown) in [
+            (Duration::ZERO, "0s"),
+            (Duration::from_secs(1) / 3, "333ms"),
+            (Duration::from_millis(11_600), "11s 600ms"),
+            (Duration::from_secs(365 * 86_400), "365d"),
+            (Duration::from_secs(31_557_600), "365d 6h"),
+            (Duration::from_micros(250), "250us"),
+            (Duration::from_nanos(1_500_000), "2ms"),
+        ] {
+            assert_eq!(show_duration(duration), shown);
+            let back = humantime::parse_duration(shown).unwrap();
+            assert!(
+                back.abs_diff(duration) < Duration::from_millis(1),
+                "{shown}"
+            );
+        }
+    }
 
     #[test]
     fn every_exit_code_of_the_guard_is_in_the_exit_status_table() {

@@ -178,7 +178,7 @@ pub async fn acquire(
                     key = %keys.lock,
                     lease = lease,
                     member = %client.member(),
-                    ttl = %humantime::format_duration(timings.ttl),
+                    ttl = %crate::vocab::show_duration(timings.ttl),
                     previous = %previous.reason(),
                     "etcd lease acquired"
                 );
@@ -295,7 +295,7 @@ async fn fresh_lease(
     if granted < i64::try_from(ttl_secs(timings)).unwrap_or(i64::MAX) {
         return Err(CallError::Refused(format!(
             "the cluster granted a lease of {granted}s for --ttl {}: it could expire before the app is stopped",
-            humantime::format_duration(timings.ttl)
+            crate::vocab::show_duration(timings.ttl)
         )));
     }
     *drawn = Some(Drawn { id, sent });
@@ -457,7 +457,7 @@ pub async fn status(
     let remaining = Duration::from_secs(int(&ttl["TTL"]).max(0) as u64);
     Ok(Some(holder_of(kv).with(
         "ttl_remaining",
-        humantime::format_duration(remaining),
+        crate::vocab::show_duration(remaining),
     )))
 }
 
@@ -611,7 +611,7 @@ impl Renewal {
                 }
                 Step::Renewed(Renewed::Failed(error)) => {
                     let left = self.valid_until.remaining();
-                    warn!(event = "renewal_failed", error = %error, member = %self.client.member(), lease_left = %humantime::format_duration(round(left)), "etcd lease renewal failed; retrying");
+                    warn!(event = "renewal_failed", error = %error, member = %self.client.member(), lease_left = %crate::vocab::show_duration(round(left)), "etcd lease renewal failed; retrying");
                     next_attempt = Deadline::after(retry);
                 }
                 Step::MustStop => {
@@ -619,7 +619,7 @@ impl Renewal {
                         reason: LossReason::LeaseExpiring,
                         detail: format!(
                             "no keep-alive acknowledged in time; the lease may run out in {}",
-                            humantime::format_duration(round(self.valid_until.remaining()))
+                            crate::vocab::show_duration(round(self.valid_until.remaining()))
                         ),
                     });
                     return Ok(());
@@ -665,7 +665,7 @@ impl Renewal {
             // have been frozen while the lease ran out and another instance took it.
             Ok(None) if took > limit => Renewed::Failed(format!(
                 "the keep-alive was acknowledged after {}, beyond --check-timeout",
-                humantime::format_duration(round(took))
+                crate::vocab::show_duration(round(took))
             )),
             Ok(None) => Renewed::Confirmed { sent },
             Ok(Some(detail)) => Renewed::NotOwner(detail),

@@ -237,7 +237,7 @@ impl Backoff {
     /// Logs the failure and sleeps for the current step, within what patience has left.
     pub async fn pause(&mut self, error: &LockError, patience: Patience) {
         let pause = patience.cap(self.next);
-        warn!(event = "backend_retry", error = %error, retry_in = %humantime::format_duration(pause), "lock backend failed while waiting; retrying");
+        warn!(event = "backend_retry", error = %error, retry_in = %crate::vocab::show_duration(pause), "lock backend failed while waiting; retrying");
         tokio::time::sleep(pause).await;
         self.next = (self.next * 2).min(Backoff::MAX);
     }

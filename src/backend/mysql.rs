@@ -75,7 +75,7 @@ async fn connect(target: &MysqlTarget, connect_timeout: Duration) -> Result<Conn
         Err(_) => Err(LockError::Unreachable(format!(
             "no connection to {} within {}",
             target.url,
-            humantime::format_duration(connect_timeout)
+            crate::vocab::show_duration(connect_timeout)
         ))),
         Ok(Err(mysql_async::Error::Server(e))) => Err(LockError::Refused(format!(
             "{}: {}",
@@ -198,7 +198,7 @@ fn no_answer(target: &MysqlTarget, what: &str, limit: Duration) -> LockError {
     LockError::Unreachable(format!(
         "{}: no answer to {what} within {}",
         target.url,
-        humantime::format_duration(limit)
+        crate::vocab::show_duration(limit)
     ))
 }
 
@@ -249,7 +249,7 @@ pub async fn acquire(
             Ok(Ok(Some(Some(1)))) if sent.elapsed() > budget => LockError::Unreachable(format!(
                 "{}: GET_LOCK answered after {}, too late to rely on; the session is closed",
                 target.url,
-                humantime::format_duration(
+                crate::vocab::show_duration(
                     Duration::from_millis(sent.elapsed().as_millis() as u64)
                 )
             )),
@@ -552,7 +552,7 @@ async fn end_on(
         Err(_) => {
             return Err(format!(
                 "no answer within {} while marking the lock record tree_gone",
-                humantime::format_duration(farewell.timeout)
+                crate::vocab::show_duration(farewell.timeout)
             ))
         }
     }
@@ -566,7 +566,7 @@ async fn end_on(
     match timeout(farewell.timeout, conn.query_drop(kill)).await {
         Err(_) => Err(format!(
             "no answer within {}",
-            humantime::format_duration(farewell.timeout)
+            crate::vocab::show_duration(farewell.timeout)
         )),
         Ok(Err(mysql_async::Error::Server(e))) if e.code == ER_NO_SUCH_THREAD => Ok(format!(
             "connection {} had already ended",

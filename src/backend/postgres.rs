@@ -150,7 +150,7 @@ impl PostgresTarget {
             Failure::Timeout => LockError::Unreachable(format!(
                 "{}: no answer to {what} within {}",
                 self.url,
-                humantime::format_duration(limit)
+                crate::vocab::show_duration(limit)
             )),
             Failure::Db(e) => self.error(e),
         }
@@ -194,7 +194,7 @@ async fn connect(
         Err(_) => Err(LockError::Unreachable(format!(
             "no connection to {} within {}",
             target.url,
-            humantime::format_duration(limit)
+            crate::vocab::show_duration(limit)
         ))),
         // The server said no (a wrong password, an unknown database, too many clients).
         Ok(Err(e)) if e.as_db_error().is_some() => Err(LockError::Refused(target.explain(e))),
@@ -388,9 +388,9 @@ pub async fn acquire(
             Ok(_) if granted && sent.elapsed() > budget => LockError::Unreachable(format!(
                 "{}: the lock was granted after {}, too late to rely on; the session is closed",
                 target.url,
-                humantime::format_duration(
-                    Duration::from_millis(sent.elapsed().as_millis() as u64)
-                )
+                crate::vocab::show_duration(Duration::from_millis(
+                    sent.elapsed().as_millis() as u64
+                ))
             )),
             Ok(rows) if granted => {
                 let proven =
@@ -767,7 +767,7 @@ pub fn end_session(farewell: &SessionFarewell) -> Result<String, String> {
         match query(&client, &sql, farewell.timeout).await {
             Err(Failure::Timeout) => Err(format!(
                 "no answer within {}",
-                humantime::format_duration(farewell.timeout)
+                crate::vocab::show_duration(farewell.timeout)
             )),
             Err(Failure::Db(e)) => Err(target.explain(e)),
             Ok(rows) if rows.first().is_some_and(|row| is_true(row, 0)) => {

@@ -518,7 +518,7 @@ fn no_answer(target: &RedisTarget, limit: Duration) -> LockError {
     LockError::Unreachable(format!(
         "{}: no answer within {}",
         target.url,
-        humantime::format_duration(limit)
+        crate::vocab::show_duration(limit)
     ))
 }
 
@@ -608,7 +608,7 @@ pub async fn acquire(
                     key = %keys.lock,
                     topology = target.topology(),
                     min_replicas = target.min_replicas,
-                    ttl = %humantime::format_duration(timings.ttl),
+                    ttl = %crate::vocab::show_duration(timings.ttl),
                     previous = %previous.reason(),
                     "redis lease acquired"
                 );
@@ -906,7 +906,7 @@ async fn read_lease(
         let holder = HolderInfo::default()
             .with("fencing_token", fence.unwrap_or("unknown"))
             .with_guard(Holder::parse(about))
-            .with("ttl_remaining", humantime::format_duration(remaining));
+            .with("ttl_remaining", crate::vocab::show_duration(remaining));
         (holder, remaining)
     }))
 }
@@ -1084,7 +1084,7 @@ async fn acknowledged(
             CheckOutcome::Timeout,
             format!(
                 "{acked} of --redis-min-replicas {wanted} replicas acknowledged within {}",
-                humantime::format_duration(round(limit))
+                crate::vocab::show_duration(round(limit))
             ),
         ),
         Ok(Err(e)) => failure(CheckOutcome::Error, target.url.scrub(e)),
@@ -1092,7 +1092,7 @@ async fn acknowledged(
             CheckOutcome::Timeout,
             format!(
                 "WAIT for {wanted} replicas did not answer within {}",
-                humantime::format_duration(round(limit))
+                crate::vocab::show_duration(round(limit))
             ),
         ),
     }
@@ -1173,7 +1173,7 @@ impl Lease {
                 }
                 Step::Renewed(Renewal::Failed(error)) => {
                     let left = self.valid_until.remaining();
-                    warn!(event = "renewal_failed", error = %error, lease_left = %humantime::format_duration(round(left)), "redis lease renewal failed; retrying");
+                    warn!(event = "renewal_failed", error = %error, lease_left = %crate::vocab::show_duration(round(left)), "redis lease renewal failed; retrying");
                     next_attempt = Deadline::after(retry);
                 }
                 Step::MustStop => {
@@ -1181,7 +1181,7 @@ impl Lease {
                         reason: LossReason::LeaseExpiring,
                         detail: format!(
                             "no renewal confirmed in time; the lease may run out in {}",
-                            humantime::format_duration(round(self.valid_until.remaining()))
+                            crate::vocab::show_duration(round(self.valid_until.remaining()))
                         ),
                     });
                     return Ok(());
@@ -1225,7 +1225,7 @@ impl Lease {
             // been frozen while the lease ran out and another instance took it.
             Ok(1) if took > self.timings.check_timeout => Renewal::Failed(format!(
                 "the renewal was confirmed after {}, beyond --check-timeout",
-                humantime::format_duration(round(took))
+                crate::vocab::show_duration(round(took))
             )),
             Ok(1) => Renewal::Confirmed { sent },
             Ok(_) => Renewal::NotOwner,
@@ -1297,7 +1297,7 @@ impl Lease {
                 self.conn = None;
                 Err(ScriptFailure {
                     outcome: CheckOutcome::Timeout,
-                    message: format!("no answer within {}", humantime::format_duration(limit)),
+                    message: format!("no answer within {}", crate::vocab::show_duration(limit)),
                 })
             }
         }

@@ -211,8 +211,8 @@ fn judge(timing: &CheckTiming, verdict: Verdict, sent: Deadline) -> Check {
             LossReason::CheckTimeout,
             format!(
                 "the check answered after {}, beyond its {} budget",
-                humantime::format_duration(Duration::from_millis(took.as_millis() as u64)),
-                humantime::format_duration(timing.budget)
+                crate::vocab::show_duration(Duration::from_millis(took.as_millis() as u64)),
+                crate::vocab::show_duration(timing.budget)
             ),
         ),
         Verdict::Owned => Check::Owned,
@@ -224,7 +224,7 @@ fn judge(timing: &CheckTiming, verdict: Verdict, sent: Deadline) -> Check {
             LossReason::CheckTimeout,
             format!(
                 "no answer within {}",
-                humantime::format_duration(timing.budget)
+                crate::vocab::show_duration(timing.budget)
             ),
         ),
     }

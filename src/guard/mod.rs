@@ -175,6 +175,9 @@ impl Guard<'_> {
                  a new holder may start its app while this one's is still stopping; --takeover-delay auto waits for it"
             );
         }
+        for option in &self.config.ignored_options {
+            warn!(event = "option_not_applicable", option = %option, "the option does not apply to this backend and is ignored");
+        }
         // A command that cannot be executed is found out before any lock is taken or any window
         // claimed, with the exit code its exec would have given.
         if let Err(outcome) = self.command_runs() {
@@ -333,10 +336,10 @@ impl Guard<'_> {
         if delay.is_zero() {
             return Ok(held);
         }
-        info!(event = "takeover_delayed", reason = %reason, wait = %humantime::format_duration(delay), "lock acquired; the previous holder's app may still be stopping, so the app starts after the wait");
+        info!(event = "takeover_delayed", reason = %reason, wait = %crate::vocab::show_duration(delay), "lock acquired; the previous holder's app may still be stopping, so the app starts after the wait");
         notify::status(&format!(
             "lock acquired; holding it for the takeover delay ({}) before starting the app",
-            humantime::format_duration(delay)
+            crate::vocab::show_duration(delay)
         ));
         tokio::select! {
             // A loss reported as the delay ends must win over the delay's end.

@@ -165,7 +165,7 @@ impl Guard<'_> {
                     }
                     () = at(kill_at) => {
                         app.kill_all();
-                        warn!(event = "killing_app", grace = %humantime::format_duration(config.timings.grace_period), "app still running after the grace period; sent SIGKILL");
+                        warn!(event = "killing_app", grace = %crate::vocab::show_duration(config.timings.grace_period), "app still running after the grace period; sent SIGKILL");
                         kill_at = None;
                     }
                     () = at(max_runtime_at) => break Ending::MaxRuntime,
@@ -301,7 +301,7 @@ fn announce(ending: &Ending, config: &Config) {
         Ending::MaxRuntime => {
             warn!(
                 event = "max_runtime",
-                max_runtime = %config.max_runtime.map(|d| humantime::format_duration(d).to_string()).unwrap_or_default(),
+                max_runtime = %config.max_runtime.map(crate::vocab::show_duration).unwrap_or_default(),
                 "max runtime reached; stopping the app"
             );
             notify::stopping("stopping the app: max runtime reached");

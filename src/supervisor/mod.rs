@@ -338,7 +338,7 @@ async fn teardown(
         }
         if !logged {
             logged = true;
-            info!(event = "stopping_app", signal = %current, kill_in = %humantime::format_duration(round(kill_by.remaining())), "stopping app process tree");
+            info!(event = "stopping_app", signal = %current, kill_in = %crate::vocab::show_duration(round(kill_by.remaining())), "stopping app process tree");
         }
         let sigkill_due = async {
             match kill_timer.as_mut() {

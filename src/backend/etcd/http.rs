@@ -50,7 +50,11 @@ impl std::fmt::Display for CallError {
                 f.write_str(why)
             }
             CallError::Silent(limit) => {
-                write!(f, "no answer within {}", humantime::format_duration(*limit))
+                write!(
+                    f,
+                    "no answer within {}",
+                    crate::vocab::show_duration(*limit)
+                )
             }
         }
     }
