@@ -57,8 +57,15 @@ fn main() -> ExitCode {
     conceal::conceal_credentials();
     let guard_switch =
         std::env::var_os(cli::GUARD_SWITCH_VAR).map(|v| v.to_string_lossy().into_owned());
+    // A refused configuration is said in the format the operator's log pipeline reads.
+    let json_errors = cli.subcommand.is_none() && cli.log_format == cli::LogFormat::Json;
     let invocation = match Invocation::from_cli(cli, guard_switch.as_deref()) {
         Ok(invocation) => invocation,
+        Err(e) if json_errors => {
+            let _flush = logging::init(cli::LogFormat::Json);
+            tracing::error!(event = "config_invalid", error = %e, "configuration refused; nothing was contacted");
+            return ExitCode::from(EXIT_USAGE);
+        }
         Err(e) => {
             eprintln!("sentinel-guard: error: {e}");
             return ExitCode::from(EXIT_USAGE);

@@ -55,13 +55,31 @@ pub async fn run(config: &StatusConfig) -> u8 {
         }
         // A path that is no lock file is a mistake in the invocation, as for the guard itself.
         Err(e @ backend::LockError::NotALockFile(_)) => {
-            eprintln!("sentinel-guard: error: {e}");
+            say_error(config, &e);
             EXIT_USAGE
         }
         Err(e) => {
-            eprintln!("sentinel-guard: error: {e}");
+            say_error(config, &e);
             EXIT_UNAVAILABLE
         }
+    }
+}
+
+/// An error in the format asked for: with `--format json`, one JSON object on stdout, whose
+/// `error` a script reads where it reads `state` (the exit code says which case it is).
+fn say_error(config: &StatusConfig, error: &backend::LockError) {
+    match config.format {
+        OutputFormat::Text => eprintln!("sentinel-guard: error: {error}"),
+        OutputFormat::Json => print_line(
+            &json!({
+                "name": config.name.as_str(),
+                "backend": config.target.backend_name(),
+                "url": config.target.location(),
+                "state": Value::Null,
+                "error": error.to_string(),
+            })
+            .to_string(),
+        ),
     }
 }
 
@@ -122,11 +140,19 @@ fn render(
             line
         }
         OutputFormat::Json => {
+            // Numbers as numbers (a pid, an exit code, a fencing token: 64-bit integers), the rest
+            // as strings.
+            let typed = |value: &String| match value.parse::<i64>() {
+                Ok(n) => json!(n),
+                Err(_) => value
+                    .parse::<u64>()
+                    .map_or_else(|_| Value::String(value.clone()), |n| json!(n)),
+            };
             let object = |facts: &[(&'static str, String)]| {
                 Value::Object(
                     facts
                         .iter()
-                        .map(|(k, v)| (k.to_string(), Value::String(v.clone())))
+                        .map(|(k, v)| (k.to_string(), typed(v)))
                         .collect::<Map<_, _>>(),
                 )
             };

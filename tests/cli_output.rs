@@ -104,6 +104,84 @@ fn a_wait_value_without_equals_gets_a_hint_showing_it() {
     }
 }
 
+/// Asked for JSON, every answer is JSON: a refused configuration (`--log-format json`), a status
+/// error (`--format json`), and a status whose numbers are numbers and times RFC 3339.
+#[test]
+fn json_asked_for_is_what_comes_out_errors_included() {
+    let mut lab = Lab::new();
+    let (code, log) = lab.run(
+        &[
+            "--url",
+            "file:relative.lock",
+            "--name",
+            "j",
+            "--log-format",
+            "json",
+        ],
+        &["true"],
+        Duration::from_secs(5),
+    );
+    assert_eq!(code, 2, "{log}");
+    let line: serde_json::Value = serde_json::from_str(log.trim()).expect("one JSON line");
+    assert_eq!(line["event"], "config_invalid", "{log}");
+    assert!(
+        line["error"].as_str().unwrap().contains("absolute path"),
+        "{log}"
+    );
+
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://127.0.0.1:{}", closed.local_addr().unwrap().port());
+    drop(closed);
+    let out = lab
+        .command(
+            &[
+                "status",
+                "--url",
+                &url,
+                "--name",
+                "j",
+                "--format",
+                "json",
+                "--connect-timeout",
+                "500ms",
+            ],
+            &[],
+        )
+        .stdout(Stdio::piped())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(69));
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    assert!(answer["state"].is_null(), "{answer}");
+    assert!(
+        answer["error"].as_str().unwrap().contains("unreachable"),
+        "{answer}"
+    );
+
+    let lock = lab.file_url("j.lock");
+    let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
+    let mut holder = lab.spawn(
+        &["--url", &lock, "--name", "j"],
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
+    read_pid(&pidfile, Duration::from_secs(10));
+    let out = lab
+        .command(
+            &["status", "--url", &lock, "--name", "j", "--format", "json"],
+            &[],
+        )
+        .stdout(Stdio::piped())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let answer: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(answer["holder"]["pid"], holder.pid(), "{answer}");
+    let started = answer["holder"]["started"].as_str().unwrap_or_default();
+    assert!(humantime::parse_rfc3339(started).is_ok(), "{answer}");
+    holder.signal(15);
+    assert_eq!(holder.code(Duration::from_secs(10)), 0);
+}
+
 /// The `guard_exiting` line of a text-format log.
 fn exit_line(log: &str) -> String {
     let line = log

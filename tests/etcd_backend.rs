@@ -93,7 +93,7 @@ fn second_instance_exits_1_status_names_the_holder_and_a_clean_exit_releases() {
         status.contains("state=held") && status.contains(&format!("pid={}", first.pid())),
         "{status}"
     );
-    assert!(status.contains("ttl_remaining="), "{status}");
+    assert!(status.contains("ttl_remaining_ms="), "{status}");
     assert!(get(&etcd, &key("contended")).contains("holder_id="));
 
     first.signal(15);

@@ -48,7 +48,7 @@ fn second_instance_exits_1_and_shows_holder_and_remaining_ttl() {
         log.contains(&format!("pid={}", first.pid())),
         "holder not named: {log}"
     );
-    assert!(log.contains("ttl_remaining="), "{log}");
+    assert!(log.contains("ttl_remaining_ms="), "{log}");
     assert!(log.contains("fencing_token=1"), "{log}");
 
     first.signal(15);

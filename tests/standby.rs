@@ -342,7 +342,14 @@ fn status_reports_held_free_and_unreachable() {
         assert_eq!(json["backend"], backend.name());
         assert_eq!(
             json["holder"]["pid"],
-            leader.pid().to_string(),
+            leader.pid(),
+            "{}: {out}",
+            backend.name()
+        );
+        // RFC 3339, as every time status shows.
+        let started = json["holder"]["started"].as_str().unwrap_or_default();
+        assert!(
+            humantime::parse_rfc3339(started).is_ok(),
             "{}: {out}",
             backend.name()
         );

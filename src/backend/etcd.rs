@@ -455,10 +455,9 @@ pub async fn status(
         .await
         .map_err(|e| lock_error(target, e))?;
     let remaining = Duration::from_secs(int(&ttl["TTL"]).max(0) as u64);
-    Ok(Some(holder_of(kv).with(
-        "ttl_remaining",
-        crate::vocab::show_duration(remaining),
-    )))
+    Ok(Some(
+        holder_of(kv).with("ttl_remaining_ms", remaining.as_millis()),
+    ))
 }
 
 /// The lock's record, without taking the lock.

@@ -91,7 +91,12 @@ impl HolderInfo {
                 .with("holder_id", h.id)
                 .with("host", h.host)
                 .with("pid", h.pid)
-                .with("started", h.started),
+                .with(
+                    "started",
+                    humantime::format_rfc3339_seconds(
+                        std::time::UNIX_EPOCH + std::time::Duration::from_secs(h.started),
+                    ),
+                ),
             None => self,
         }
     }

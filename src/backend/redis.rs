@@ -906,7 +906,7 @@ async fn read_lease(
         let holder = HolderInfo::default()
             .with("fencing_token", fence.unwrap_or("unknown"))
             .with_guard(Holder::parse(about))
-            .with("ttl_remaining", crate::vocab::show_duration(remaining));
+            .with("ttl_remaining_ms", remaining.as_millis());
         (holder, remaining)
     }))
 }

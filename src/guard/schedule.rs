@@ -368,9 +368,10 @@ impl Guard<'_> {
         error: Option<&LockError>,
     ) {
         self.metrics.window(outcome);
-        let (claimed_by, claimed_host) =
-            claim.map_or(("", ""), |c| (c.holder_id.as_str(), c.host.as_str()));
-        let error = error.map(ToString::to_string).unwrap_or_default();
+        // Fields with nothing to say are left out of the line.
+        let claimed_by = claim.map(|c| c.holder_id.as_str());
+        let claimed_host = claim.map(|c| c.host.as_str());
+        let error = error.map(tracing::field::display);
         macro_rules! decided {
             ($level:ident, $message:expr) => {
                 $level!(
@@ -380,7 +381,7 @@ impl Guard<'_> {
                     outcome = %outcome,
                     claimed_by,
                     claimed_host,
-                    error = %error,
+                    error,
                     $message
                 )
             };
