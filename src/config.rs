@@ -779,10 +779,20 @@ fn postgres_target(
 ) -> Result<Target, ConfigError> {
     let mut driver_url = url;
     let tls = PostgresTls::take_from(&mut driver_url)?;
-    let mut config: tokio_postgres::Config = driver_url
-        .as_str()
-        .parse()
-        .map_err(|e| invalid(format!("--url {shown}: {}", shown.scrub(e))))?;
+    let mut config: tokio_postgres::Config = driver_url.as_str().parse().map_err(|e| {
+        // The driver says only "invalid connection string": the parameter it does not know is named.
+        let unknown = driver_url
+            .query_pairs()
+            .map(|(key, _)| key.into_owned())
+            .find(|key| !POSTGRES_PARAMETERS.contains(&key.as_str()));
+        match unknown {
+            Some(key) => invalid(format!(
+                "--url {shown}: unknown parameter {key:?}; known: sslmode, sslrootcert, {}",
+                POSTGRES_PARAMETERS.join(", ")
+            )),
+            None => invalid(format!("--url {shown}: {}", shown.scrub(e))),
+        }
+    })?;
     if let Some((user, password)) = credentials {
         config.user(user);
         if let Some(password) = password {
@@ -796,6 +806,30 @@ fn postgres_target(
         secret: SecretUrl::new(raw.to_owned()),
     })))
 }
+
+/// The URL parameters the PostgreSQL driver takes (`sslmode` and `sslrootcert` are the guard's).
+const POSTGRES_PARAMETERS: &[&str] = &[
+    "user",
+    "password",
+    "dbname",
+    "options",
+    "application_name",
+    "host",
+    "hostaddr",
+    "port",
+    "connect_timeout",
+    "tcp_user_timeout",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_retries",
+    "target_session_attrs",
+    "channel_binding",
+    "load_balance_hosts",
+    "sslnegotiation",
+    "sslcert",
+    "sslkey",
+];
 
 /// libpq's form for a Unix socket with credentials, `postgres://user:pass@/db?host=/dir`, has an
 /// empty host, which `url::Url` refuses when a user is named: the credentials are taken out (up to
@@ -883,6 +917,27 @@ impl fmt::Display for RedactedUrl {
 
 impl Target {
     pub fn parse(raw: &str, redis_prefix: &str) -> Result<Target, ConfigError> {
+        // `redis:/host` or `mysql:host`: a known scheme whose `//` is missing.
+        if let Some((scheme, _)) = raw.split_once(':') {
+            let known = [
+                "mysql",
+                "postgres",
+                "postgresql",
+                "redis",
+                "rediss",
+                "redis+sentinel",
+                "rediss+sentinel",
+                "redis+cluster",
+                "rediss+cluster",
+                "etcd",
+                "etcds",
+            ];
+            if known.contains(&scheme) && !raw[scheme.len()..].starts_with("://") {
+                return Err(invalid(format!(
+                    "--url: a {scheme} URL starts with {scheme}:// (as in {scheme}://host:port)"
+                )));
+            }
+        }
         if let Some(redis) = RedisTarget::parse(raw, redis_prefix) {
             return Ok(Target::Redis(Box::new(redis?)));
         }
@@ -900,8 +955,18 @@ impl Target {
         match url.scheme() {
             "mysql" => {
                 let shown = RedactedUrl::of(&url);
-                let mut opts = mysql_async::Opts::from_url(raw)
-                    .map_err(|e| invalid(format!("--url {shown}: {}", shown.scrub(e))))?;
+                let mut opts = mysql_async::Opts::from_url(raw).map_err(|e| {
+                    // libpq's and the MySQL client's words for TLS, which this driver does not know.
+                    let tls_word = url.query_pairs().any(|(key, _)| {
+                        matches!(key.to_ascii_lowercase().as_str(), "ssl-mode" | "sslmode" | "ssl_mode" | "ssl")
+                    });
+                    let hint = if tls_word {
+                        "; ask for TLS with ?require_ssl=true (and --ca-file for a private CA)"
+                    } else {
+                        ""
+                    };
+                    invalid(format!("--url {shown}: {}{hint}", shown.scrub(e)))
+                })?;
                 // The driver would hand a bracketed IPv6 literal ("[::1]") to the resolver as a
                 // host name; it gets the address itself instead.
                 if let Some(url::Host::Ipv6(address)) = url.host() {

@@ -354,3 +354,84 @@ fn a_url_file_with_two_lines_is_refused_naming_the_file() {
         "surrounding whitespace and blank lines are trimmed: {log}"
     );
 }
+
+/// Each error says what is wrong in words an operator can act on, at once, and no more than once.
+#[test]
+fn error_texts_say_what_is_wrong_and_what_to_do() {
+    let redis = common::redis::Redis::start();
+    let plain = redis.url();
+    let closed = {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let mut lab = Lab::new();
+    let cases: Vec<(String, i32, &str, &str)> = vec![
+        (
+            format!("mysql://u:topsecret-77@127.0.0.1:{closed}/db"),
+            69,
+            "Connection refused",
+            "Input/output error: Input/output error",
+        ),
+        (
+            format!("redis://127.0.0.1:{closed}"),
+            69,
+            "Connection refused",
+            "timed out",
+        ),
+        (
+            "redis:/127.0.0.1".to_owned(),
+            2,
+            "starts with redis://",
+            "unsupported scheme",
+        ),
+        (
+            "mysql:127.0.0.1/db".to_owned(),
+            2,
+            "starts with mysql://",
+            "unsupported scheme",
+        ),
+        (
+            format!("postgres://u:topsecret-77@127.0.0.1:{closed}/db?foo=bar"),
+            2,
+            "unknown parameter \"foo\"",
+            "invalid connection string",
+        ),
+        (
+            format!("mysql://u:topsecret-77@127.0.0.1:{closed}/db?ssl-mode=REQUIRED"),
+            2,
+            "require_ssl=true",
+            "REQUIRED",
+        ),
+        (
+            plain.replacen("redis://", "rediss://", 1),
+            69,
+            "is it redis://?",
+            "topsecret",
+        ),
+        (
+            format!("{plain}/99"),
+            69,
+            "beyond the server's `databases` setting",
+            "unreachable",
+        ),
+    ];
+    for (url, code, says, never) in cases {
+        let started = Instant::now();
+        let (got, log) = lab.run(
+            &["--url", &url, "--name", "e", "--connect-timeout", "2s"],
+            &["true"],
+            Duration::from_secs(10),
+        );
+        assert_eq!(got, code, "{url}: {log}");
+        assert!(log.contains(says), "{url}: does not say {says:?}: {log}");
+        assert!(!log.contains(never), "{url}: says {never:?}: {log}");
+        assert!(!log.contains("topsecret-77"), "{url}: {log}");
+        if says.contains("refused") {
+            assert!(
+                started.elapsed() < Duration::from_secs(1),
+                "{url}: a refused connection took {:?}",
+                started.elapsed()
+            );
+        }
+    }
+}

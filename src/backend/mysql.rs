@@ -85,7 +85,7 @@ async fn connect(target: &MysqlTarget, connect_timeout: Duration) -> Result<Conn
         Ok(Err(e)) => Err(connect_failure(format!(
             "{}: {}",
             target.url,
-            target.url.scrub(e)
+            said_once(&target.url.scrub(e))
         ))),
         Ok(Ok(conn)) => Ok(conn),
     }
@@ -93,7 +93,23 @@ async fn connect(target: &MysqlTarget, connect_timeout: Duration) -> Result<Conn
 
 /// Any failure while setting up or taking the lock: the app is never started on such a server.
 fn setup_error(target: &MysqlTarget, e: mysql_async::Error) -> LockError {
-    LockError::Unreachable(format!("{}: {}", target.url, target.url.scrub(e)))
+    LockError::Unreachable(format!(
+        "{}: {}",
+        target.url,
+        said_once(&target.url.scrub(e))
+    ))
+}
+
+/// The driver's message without the words its error layers each put first ("Input/output error:
+/// Input/output error: Connection refused" reads "Input/output error: Connection refused").
+fn said_once(message: &str) -> String {
+    let mut parts: Vec<&str> = Vec::new();
+    for part in message.split(": ") {
+        if parts.last() != Some(&part) {
+            parts.push(part);
+        }
+    }
+    parts.join(": ")
 }
 
 /// Connects and makes the session fit to hold the lock: a safe server, and a `wait_timeout` that frees

@@ -510,16 +510,32 @@ fn lock_error(target: &RedisTarget, e: &RedisError) -> LockError {
         ErrorKind::AuthenticationFailed | ErrorKind::InvalidClientConfig => {
             LockError::Refused(message)
         }
+        // `SELECT` of a database the server does not have: no retry will find it.
+        _ if message.contains("refused to switch database") => LockError::Refused(format!(
+            "{message} (the URL's /db is beyond the server's `databases` setting)"
+        )),
+        _ if e.is_timeout() => connect_failure(format!("{message}{}", tls_hint(target))),
         _ => connect_failure(message),
     }
 }
 
 fn no_answer(target: &RedisTarget, limit: Duration) -> LockError {
     LockError::Unreachable(format!(
-        "{}: no answer within {}",
+        "{}: no answer within {}{}",
         target.url,
-        crate::vocab::show_duration(limit)
+        crate::vocab::show_duration(limit),
+        tls_hint(target)
     ))
+}
+
+/// What a silent server may mean for a TLS URL: a plain server sits through a TLS handshake,
+/// waiting for a command.
+fn tls_hint(target: &RedisTarget) -> &'static str {
+    if target.uses_tls() {
+        " (a server without TLS never answers a TLS handshake: is it redis://?)"
+    } else {
+        ""
+    }
 }
 
 /// How long after its lease is taken away this holder's app may still run: until its deadline, at
@@ -545,10 +561,12 @@ enum Attempt {
     },
 }
 
-/// A failed attempt, and whether retrying could mend it.
+/// A failed attempt, whether retrying could mend it, and whether anything could have reached the
+/// server (a refused connection carried nothing, so no reply of it can have been lost).
 struct Failure {
     error: LockError,
     permanent: bool,
+    sent_nothing: bool,
 }
 
 impl Failure {
@@ -556,6 +574,7 @@ impl Failure {
         Failure {
             error: lock_error(target, e),
             permanent: is_permanent(e),
+            sent_nothing: e.is_connection_refusal(),
         }
     }
 
@@ -563,6 +582,7 @@ impl Failure {
         Failure {
             error: no_answer(target, limit),
             permanent: false,
+            sent_nothing: false,
         }
     }
 }
@@ -662,7 +682,8 @@ pub async fn acquire(
         } else {
             // Before the first answer the guard fails closed, but the acquire script is idempotent
             // for our token: a reply lost to a timeout is simply asked again until connect-timeout.
-            if Instant::now() + ACQUIRE_RETRY_PAUSE >= fail_closed_at {
+            // A refused connection lost nothing: it fails at once, as on every backend.
+            if failure.sent_nothing || Instant::now() + ACQUIRE_RETRY_PAUSE >= fail_closed_at {
                 return Err(failure.error);
             }
             debug!(error = %failure.error, "redis acquisition attempt failed; retrying");
@@ -716,6 +737,7 @@ async fn attempt(
                 ),
             )),
             permanent: true,
+            sent_nothing: false,
         });
     }
     // A late answer (the guard was frozen meanwhile) is asked again: the script is idempotent for
@@ -731,6 +753,7 @@ async fn attempt(
                 return Err(Failure {
                     error: LockError::Unreachable(format!("{}: {}", target.url, failure.message)),
                     permanent: false,
+                    sent_nothing: false,
                 });
             }
         }

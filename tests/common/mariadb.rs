@@ -151,10 +151,11 @@ impl MariaDb {
         format!("mysql://{USER}:{PASSWORD}@127.0.0.1:{}/mysql", self.port)
     }
 
-    /// The guard's URL over the private Unix socket.
+    /// The guard's URL over the private Unix socket. Its TCP port is one nothing listens on, so only
+    /// the socket can reach the server.
     pub fn socket_url(&self) -> String {
         format!(
-            "mysql://{USER}:{PASSWORD}@localhost/mysql?socket={}",
+            "mysql://{USER}:{PASSWORD}@localhost:1/mysql?socket={}",
             self.socket().display()
         )
     }
