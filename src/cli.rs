@@ -236,7 +236,7 @@ pub struct Cli {
 /// Where the lock lives and how long to wait for it to answer: shared by the guard and `status`.
 #[derive(Debug, Args)]
 pub struct LockArgs {
-    /// Lock backend URL: mysql://user:pass@host:port/db, postgres://user:pass@host:port/db[?sslmode=...], redis[s]://[user:pass@]host:port[/db], etcd[s]://[user:pass@]host1:2379[,host2:2379,...][/prefix] or file:///abs/path.lock
+    /// Lock backend URL: mysql://user:pass@host:port/db, postgres[ql]://user:pass@host:port/db[?sslmode=...], redis[s]://[user:pass@]host:port[/db], redis[s]+sentinel://[user:pass@]host1:26379,host2:26379/master[/db], redis[s]+cluster://[user:pass@]host1:port,host2:port, etcd[s]://[user:pass@]host1:2379[,host2:2379,...][/prefix] or file:///abs/path.lock
     #[arg(
         short = 'u',
         long,

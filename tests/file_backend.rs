@@ -171,3 +171,34 @@ fn a_waiting_standby_follows_the_lock_file_replaced_under_it() {
     holder.kill().unwrap();
     holder.wait().unwrap();
 }
+
+/// A lock file another user made (root, with the default 0644) cannot be opened by a guard of
+/// another user: exit 69, naming the file's owner and mode and what every guard of the lock needs.
+#[test]
+fn a_lock_file_of_another_user_is_refused_with_its_owner_and_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let shared = tempfile::Builder::new()
+        .prefix("sg-shared-")
+        .tempdir()
+        .unwrap();
+    std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let url = format!("file://{}", shared.path().join("shared.lock").display());
+    let mut lab = Lab::new();
+    let (code, log) = lab.run(
+        &["--url", &url, "--name", "shared"],
+        &["true"],
+        Duration::from_secs(10),
+    );
+    assert_eq!(code, 0, "{log}");
+    let inner = lab.command(&["--url", &url, "--name", "shared"], &["true"]);
+    let mut cmd = std::process::Command::new("setpriv");
+    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(inner.get_program())
+        .args(inner.get_args());
+    let mut guard = lab.start(cmd);
+    let code = guard.code(Duration::from_secs(10));
+    let log = guard.log_text();
+    assert_eq!(code, 69, "{log}");
+    assert!(log.contains("belongs to uid 0 with mode 0644"), "{log}");
+    assert!(log.contains("a group they share with mode 0660"), "{log}");
+}

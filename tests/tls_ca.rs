@@ -170,3 +170,18 @@ fn the_watchdog_of_a_killed_guard_frees_a_tls_lock_with_the_ca_file() {
     standby.signal(15);
     assert_eq!(standby.code(LIMIT), 0, "{}", standby.log_text());
 }
+
+/// PostgreSQL: `--ca-file` turns verification on under the default `sslmode=prefer` (as libpq's
+/// `sslrootcert` does); a wrong CA is the same clear exit 69 as on the other backends.
+#[test]
+fn postgres_verifies_against_the_ca_file_and_a_wrong_ca_exits_69() {
+    let (db, ca) = common::postgres::Postgres::start_with_tls();
+    let mut lab = Lab::new();
+    let (code, log) = guard_trusting(&mut lab, &db.url(), Some(&ca), &["true"]);
+    assert_eq!(code, 0, "{log}");
+    make_ca(lab.dir.path(), "wrong");
+    let wrong = lab.path("wrong.pem");
+    let (code, log) = guard_trusting(&mut lab, &db.url(), Some(&wrong), &["true"]);
+    assert_untrusted(code, &log);
+    assert!(!log.contains(common::postgres::PASSWORD), "{log}");
+}

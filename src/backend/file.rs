@@ -407,6 +407,18 @@ fn open_error(path: &Path, e: std::io::Error) -> LockError {
             "{}: is a directory, not a lock file",
             path.display()
         )),
+        // A file another user made (a guard run as root, say) with the default mode: say whose it
+        // is and what every guard of the lock needs. A stat, which opens nothing.
+        Some(nix::libc::EACCES) => {
+            let owner = std::fs::symlink_metadata(path)
+                .map(|m| format!("; it belongs to uid {} with mode {:04o}", m.uid(), m.mode() & 0o7777))
+                .unwrap_or_default();
+            LockError::Refused(format!(
+                "{}: {e}{owner}: every guard of a lock must be able to open its file for writing: run \
+                 them as one user, or give the file a group they share with mode 0660",
+                path.display()
+            ))
+        }
         _ if e.kind() == std::io::ErrorKind::NotFound => LockError::Refused(format!(
             "{}: the directory {} does not exist",
             path.display(),
@@ -437,10 +449,12 @@ fn describe_holder(file: &mut File, locked_by: Option<u32>) -> HolderInfo {
         Some(pid) => HolderInfo::default().with("locked_by_pid", pid),
         None => HolderInfo::default(),
     };
-    match Holder::parse(&text) {
+    let info = match Holder::parse(&text) {
         Some(holder) => info.with_guard(Some(holder)),
         None => info.with("holder", "unknown (no identity written yet)"),
-    }
+    };
+    // Two guards with different names on one path exclude each other, which surprises: said.
+    info.with("lock", "the file's path, whatever --name")
 }
 
 /// Overwrites the record in place, magic line first, then cuts what an older, longer record left:

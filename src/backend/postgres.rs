@@ -157,7 +157,8 @@ impl PostgresTarget {
     }
 
     fn error(&self, e: tokio_postgres::Error) -> LockError {
-        LockError::Unreachable(self.explain(e))
+        // An untrusted certificate is said as on every backend: refused, naming --ca-file.
+        super::connect_failure(self.explain(e))
     }
 
     /// A driver error, with the database's own message and code where there is one, and the cause
