@@ -82,6 +82,23 @@ pub const EXAMPLES: &[(&str, &str)] = &[
     ),
 ];
 
+/// `--url` and `--url-file` are one setting: given both ways, the command line wins over the
+/// environment (a `SENTINEL_GUARD_URL_FILE` in the image, a `--url` typed to try something); given
+/// both on the command line, or both in the environment, `config` refuses them.
+pub fn command_line_wins(cli: &mut Cli, matches: &clap::ArgMatches) {
+    use clap::parser::ValueSource;
+    let (lock, matches) = match (&mut cli.subcommand, matches.subcommand()) {
+        (Some(Subcommand::Status(args)), Some(("status", sub))) => (&mut args.lock, sub),
+        _ => (&mut cli.lock, matches),
+    };
+    let source = |id| matches.value_source(id);
+    match (source("url"), source("url_file")) {
+        (Some(ValueSource::CommandLine), Some(ValueSource::EnvVariable)) => lock.url_file = None,
+        (Some(ValueSource::EnvVariable), Some(ValueSource::CommandLine)) => lock.url = None,
+        _ => {}
+    }
+}
+
 /// The command line's definition with what derive cannot say: the exit codes, from their one table.
 pub fn command() -> clap::Command {
     use clap::CommandFactory;
@@ -237,13 +254,7 @@ pub struct Cli {
 #[derive(Debug, Args)]
 pub struct LockArgs {
     /// Lock backend URL: mysql://user:pass@host:port/db, postgres[ql]://user:pass@host:port/db[?sslmode=...], redis[s]://[user:pass@]host:port[/db], redis[s]+sentinel://[user:pass@]host1:26379,host2:26379/master[/db], redis[s]+cluster://[user:pass@]host1:port,host2:port, etcd[s]://[user:pass@]host1:2379[,host2:2379,...][/prefix] or file:///abs/path.lock
-    #[arg(
-        short = 'u',
-        long,
-        env = "SENTINEL_GUARD_URL",
-        hide_env_values = true,
-        conflicts_with = "url_file"
-    )]
+    #[arg(short = 'u', long, env = "SENTINEL_GUARD_URL", hide_env_values = true)]
     pub url: Option<String>,
 
     /// Read the backend URL from this file (Docker/Kubernetes secrets): the URL alone on one line; blank lines and the whitespace around it are trimmed

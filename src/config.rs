@@ -241,7 +241,11 @@ fn lock_target(args: &LockArgs) -> Result<(LockName, Option<Target>), ConfigErro
         .ok_or_else(|| invalid("--name (or SENTINEL_GUARD_NAME) is required"))
         .and_then(LockName::parse)?;
     let raw_url = match (&args.url, &args.url_file) {
-        (Some(url), _) => Some((url.clone(), None)),
+        (Some(_), Some(_)) => return Err(invalid(
+            "--url and --url-file (SENTINEL_GUARD_URL and SENTINEL_GUARD_URL_FILE) are both set; \
+                 give one (one given on the command line wins over one in the environment)",
+        )),
+        (Some(url), None) => Some((url.clone(), None)),
         (None, Some(path)) => Some((read_url_file(path)?, Some(path))),
         (None, None) => None,
     };

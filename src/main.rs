@@ -51,7 +51,11 @@ fn main() -> ExitCode {
     }
     let cli = cli::command()
         .try_get_matches()
-        .and_then(|matches| Cli::from_arg_matches(&matches))
+        .and_then(|matches| {
+            let mut cli = Cli::from_arg_matches(&matches)?;
+            cli::command_line_wins(&mut cli, &matches);
+            Ok(cli)
+        })
         .unwrap_or_else(|e| with_separator_hint(e).exit());
     // Read: from here on, no process of the guard's user can read the URL from the guard.
     conceal::conceal_credentials();
@@ -159,6 +163,11 @@ fn with_separator_hint(mut error: clap::Error) -> clap::Error {
         }
     });
     let hint = match (&wait_value, &stray) {
+        _ if error.kind() == ErrorKind::MissingRequiredArgument => {
+            "give the command to guard after `--` (sentinel-guard --url URL --name NAME -- ./app), \
+             or a subcommand: status, man, completions"
+                .to_owned()
+        }
         (Some(value), _) if error.kind() == ErrorKind::UnknownArgument => format!(
             "--wait takes its duration after `=`: --wait={value} (--wait alone waits forever)"
         ),

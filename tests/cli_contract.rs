@@ -435,3 +435,72 @@ fn error_texts_say_what_is_wrong_and_what_to_do() {
         }
     }
 }
+
+/// `--url` on the command line wins over `SENTINEL_GUARD_URL_FILE` in the environment (and the other
+/// way round); both in the environment is refused; `status` reads the same way, and calls a file
+/// that is no lock file what the guard calls it (exit 2, not "free"); no arguments at all get a tip.
+#[test]
+fn the_command_line_wins_over_the_environment_and_status_agrees_with_the_guard() {
+    let mut lab = Lab::new();
+    let (cli_url, env_url) = (lab.file_url("cli.lock"), lab.file_url("env.lock"));
+    let url_file = lab.path("url");
+    std::fs::write(&url_file, format!("{env_url}\n")).unwrap();
+    let mut cmd = lab.command(&["--url", &cli_url, "--name", "w"], &["true"]);
+    cmd.env("SENTINEL_GUARD_URL_FILE", &url_file);
+    let mut guard = lab.start(cmd);
+    assert_eq!(
+        guard.code(Duration::from_secs(10)),
+        0,
+        "{}",
+        guard.log_text()
+    );
+    assert!(lab.path("cli.lock").exists() && !lab.path("env.lock").exists());
+
+    let mut cmd = lab.command(
+        &["--url-file", url_file.to_str().unwrap(), "--name", "w"],
+        &["true"],
+    );
+    cmd.env("SENTINEL_GUARD_URL", &cli_url);
+    let mut guard = lab.start(cmd);
+    assert_eq!(
+        guard.code(Duration::from_secs(10)),
+        0,
+        "{}",
+        guard.log_text()
+    );
+    assert!(lab.path("env.lock").exists());
+
+    let mut cmd = lab.command(&["--name", "w"], &["true"]);
+    cmd.env("SENTINEL_GUARD_URL", &cli_url)
+        .env("SENTINEL_GUARD_URL_FILE", &url_file);
+    let mut guard = lab.start(cmd);
+    assert_eq!(
+        guard.code(Duration::from_secs(10)),
+        2,
+        "{}",
+        guard.log_text()
+    );
+    assert!(
+        guard.log_text().contains("both set"),
+        "{}",
+        guard.log_text()
+    );
+
+    let foreign = lab.path("foreign");
+    std::fs::write(&foreign, "not a lock\n").unwrap();
+    let foreign_url = format!("file://{}", foreign.display());
+    let status = lab
+        .command(&["status", "--url", &foreign_url, "--name", "w"], &[])
+        .output()
+        .unwrap();
+    assert_eq!(status.status.code(), Some(2));
+    assert_eq!(std::fs::read_to_string(&foreign).unwrap(), "not a lock\n");
+
+    let bare = std::process::Command::new(GUARD).output().unwrap();
+    assert_eq!(bare.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&bare.stderr);
+    assert!(
+        said.contains("or a subcommand: status, man, completions"),
+        "{said}"
+    );
+}

@@ -230,6 +230,8 @@ pub fn status(path: &Path) -> Result<Option<HolderInfo>, LockError> {
     let Some(mut file) = open_to_read(path)? else {
         return Ok(None);
     };
+    // What the guard refuses to lock is no free lock either: the same answer, exit 2.
+    require_ours(&mut file, path)?;
     let meta = file.metadata().map_err(|e| io_error(path, e))?;
     let locks = std::fs::read_to_string("/proc/locks")
         .map_err(|e| io_error(Path::new("/proc/locks"), e))?;
@@ -266,9 +268,15 @@ fn flock_holder(locks: &str, meta: &std::fs::Metadata) -> Option<u32> {
 /// any byte is written, and anything but a regular file before it is even opened (`look`).
 fn open(path: &Path) -> Result<File, LockError> {
     let mut file = open_or_create(path)?;
+    require_ours(&mut file, path)?;
+    Ok(file)
+}
+
+/// Refuses a file that is neither empty nor this program's (`is_ours`), having read only its first
+/// line; leaves the file at its start.
+fn require_ours(file: &mut File, path: &Path) -> Result<(), LockError> {
     let mut head = Vec::new();
-    (&mut file)
-        .take(MAGIC.len() as u64)
+    file.take(MAGIC.len() as u64)
         .read_to_end(&mut head)
         .map_err(|e| io_error(path, e))?;
     if !is_ours(&head) {
@@ -280,7 +288,7 @@ fn open(path: &Path) -> Result<File, LockError> {
     }
     file.seek(SeekFrom::Start(0))
         .map_err(|e| io_error(path, e))?;
-    Ok(file)
+    Ok(())
 }
 
 /// The regular file at `path`, or a new one. A file made by another guard between the look and the
