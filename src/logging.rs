@@ -132,8 +132,58 @@ where
         event.record(&mut visitor);
         visitor.finish()?;
         line.extend(parse_object(&own));
+        // The holder is `key=value` words in a text line, and an object in a JSON one.
+        if let Some(Value::String(holder)) = line.get("holder") {
+            let fields = key_values(holder);
+            if !fields.is_empty() {
+                line.insert("holder".into(), Value::Object(fields));
+            }
+        }
         writeln!(writer, "{}", Value::Object(line))
     }
+}
+
+/// `key=value key="a value"` words (the holder's `Display`: a value with a space is quoted with
+/// Rust's escapes) as an object; empty if the text is not made of such words.
+fn key_values(text: &str) -> Map<String, Value> {
+    let mut fields = Map::new();
+    let mut rest = text.trim_start();
+    while !rest.is_empty() {
+        let Some((key, after)) = rest.split_once('=') else {
+            return Map::new();
+        };
+        if key.is_empty() || key.contains([' ', '"']) {
+            return Map::new();
+        }
+        let (value, after) = match after.strip_prefix('"') {
+            Some(quoted) => {
+                let mut value = String::new();
+                let mut chars = quoted.char_indices();
+                let mut end = None;
+                while let Some((at, c)) = chars.next() {
+                    match c {
+                        '\\' => value.extend(chars.next().map(|(_, c)| c)),
+                        '"' => {
+                            end = Some(at + 1);
+                            break;
+                        }
+                        c => value.push(c),
+                    }
+                }
+                let Some(end) = end else {
+                    return Map::new();
+                };
+                (value, &quoted[end..])
+            }
+            None => {
+                let end = after.find(' ').unwrap_or(after.len());
+                (after[..end].to_owned(), &after[end..])
+            }
+        };
+        fields.insert(key.to_owned(), Value::String(value));
+        rest = after.trim_start();
+    }
+    fields
 }
 
 fn parse_object(text: &str) -> Map<String, Value> {
@@ -146,6 +196,17 @@ fn parse_object(text: &str) -> Map<String, Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_holder_reads_as_an_object() {
+        let fields =
+            key_values(r#"connection_id=19 holder="unknown (the lookup failed)" note="a \"q\"""#);
+        assert_eq!(fields["connection_id"], "19");
+        assert_eq!(fields["holder"], "unknown (the lookup failed)");
+        assert_eq!(fields["note"], "a \"q\"");
+        assert!(key_values("not key value words").is_empty());
+        assert!(key_values(r#"a="unterminated"#).is_empty());
+    }
 
     #[test]
     fn a_filter_that_would_log_nothing_by_mistake_is_refused() {

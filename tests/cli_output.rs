@@ -178,6 +178,19 @@ fn json_asked_for_is_what_comes_out_errors_included() {
     assert_eq!(answer["holder"]["pid"], holder.pid(), "{answer}");
     let started = answer["holder"]["started"].as_str().unwrap_or_default();
     assert!(humantime::parse_rfc3339(started).is_ok(), "{answer}");
+    // The held message's holder is an object in a JSON log, not a line of words.
+    let (code, log) = lab.run(
+        &["--url", &lock, "--name", "j", "--log-format", "json"],
+        &["true"],
+        Duration::from_secs(10),
+    );
+    assert_eq!(code, 1, "{log}");
+    let held: serde_json::Value = log
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .find(|line| line["event"] == "lock_held_elsewhere")
+        .expect("a lock_held_elsewhere line");
+    assert_eq!(held["holder"]["pid"], holder.pid().to_string(), "{held}");
     holder.signal(15);
     assert_eq!(holder.code(Duration::from_secs(10)), 0);
 }
