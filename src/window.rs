@@ -159,6 +159,50 @@ pub struct Claim {
 pub struct RunEnd {
     pub exit_code: u8,
     pub finished_at: UnixMicros,
+    /// False when the command could not be executed at all (after the claim: the look-up before it
+    /// found nothing wrong): nothing ran, so the claim holds no window.
+    pub started: bool,
+}
+
+/// How a claimed window's run ended, as its guard records it (the backend dates it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunExit {
+    pub code: u8,
+    /// False when the command could not be executed at all: nothing ran, so the claim holds no
+    /// window.
+    pub started: bool,
+}
+
+impl RunExit {
+    /// The exit code as a table's integer column keeps it: negated for a command that never started.
+    pub fn stored(self) -> i16 {
+        let code = i16::from(self.code);
+        if self.started {
+            code
+        } else {
+            -code
+        }
+    }
+
+    /// What a claim kept as text adds after its end for a command that never started.
+    pub fn text_mark(self) -> &'static str {
+        if self.started {
+            ""
+        } else {
+            " not_started=1"
+        }
+    }
+}
+
+impl RunEnd {
+    /// What `RunExit::stored` wrote, and when.
+    pub fn from_stored(code: i64, finished_at: UnixMicros) -> RunEnd {
+        RunEnd {
+            exit_code: u8::try_from(code.unsigned_abs()).unwrap_or(u8::MAX),
+            finished_at,
+            started: code >= 0,
+        }
+    }
 }
 
 impl Claim {
@@ -172,8 +216,14 @@ impl Claim {
         );
         if let Some(end) = self.end {
             line.push_str(&format!(
-                " exit_code={} finished_at={}",
-                end.exit_code, end.finished_at
+                " exit_code={} finished_at={}{}",
+                end.exit_code,
+                end.finished_at,
+                RunExit {
+                    code: end.exit_code,
+                    started: end.started
+                }
+                .text_mark()
             ));
         }
         line
@@ -185,6 +235,7 @@ impl Claim {
     }
 
     /// Reads what `encode` wrote; anything else is `None`.
+    /// (A claim kept as text says `not_started=1` after its end when the command never started.)
     pub fn parse(line: &str) -> Option<Claim> {
         let field = |key: &str| {
             line.split_whitespace()
@@ -194,6 +245,7 @@ impl Claim {
             (Some(code), Some(at)) => Some(RunEnd {
                 exit_code: code.parse().ok()?,
                 finished_at: at.parse().ok()?,
+                started: field("not_started").is_none(),
             }),
             _ => None,
         };
@@ -210,7 +262,10 @@ impl Claim {
     /// later one is already claimed, or the claimed run ended after `window` had started (windows
     /// that start during a run are skipped by everybody). `None`: `window` may be claimed.
     pub fn blocks(&self, window: &Window) -> Option<WindowOutcome> {
-        if self.window_start >= window.start {
+        // Nothing ran under it: the window it named may be claimed again, by any replica.
+        if self.end.is_some_and(|end| !end.started) {
+            None
+        } else if self.window_start >= window.start {
             Some(WindowOutcome::ClaimedElsewhere)
         } else if self.end.is_some_and(|end| end.finished_at >= window.start) {
             Some(WindowOutcome::Busy)
@@ -231,6 +286,9 @@ impl Claim {
             Some(end) => {
                 facts.push(("last_window_exit_code", end.exit_code.to_string()));
                 facts.push(("last_window_finished_at", rfc3339(end.finished_at)));
+                if !end.started {
+                    facts.push(("last_window_not_started", "true".to_owned()));
+                }
             }
             None => facts.push(("last_window_exit_code", "none".to_owned())),
         }
@@ -284,6 +342,7 @@ mod tests {
             end: end.map(|finished_at| RunEnd {
                 exit_code: 0,
                 finished_at,
+                started: true,
             }),
         };
         assert_eq!(
@@ -311,9 +370,37 @@ mod tests {
             end: Some(RunEnd {
                 exit_code: 3,
                 finished_at: 1_796_000_001_000_000,
+                started: true,
             }),
         };
         assert_eq!(Claim::parse(&claim.encode()), Some(claim.clone()));
+        let never_started = Claim {
+            end: claim.end.map(|end| RunEnd {
+                started: false,
+                ..end
+            }),
+            ..claim.clone()
+        };
+        assert_eq!(
+            Claim::parse(&never_started.encode()),
+            Some(never_started.clone())
+        );
+        let window = Window {
+            index: 0,
+            start: claim.window_start,
+            end: claim.window_start + 3_600_000_000,
+        };
+        assert_eq!(never_started.blocks(&window), None, "nothing ran under it");
+        assert_eq!(claim.blocks(&window), Some(WindowOutcome::ClaimedElsewhere));
+        for (exit_code, started) in [(127, false), (0, true), (126, false), (255, true)] {
+            let stored = RunExit {
+                code: exit_code,
+                started,
+            }
+            .stored();
+            let back = RunEnd::from_stored(i64::from(stored), 7);
+            assert_eq!((back.exit_code, back.started), (exit_code, started));
+        }
         let running = Claim { end: None, ..claim };
         assert_eq!(Claim::parse(&running.encode()), Some(running.clone()));
         assert!(crate::holder::Holder::parse(&running.encode()).is_none());

@@ -219,10 +219,10 @@ fn status(lab: &Lab, url: &str, name: &str) -> String {
 }
 
 /// A command that is not found, or a script whose interpreter is missing, exits 127 before anything
-/// is claimed: the same line with the command fixed still runs in that window, and a resident
-/// scheduler ends instead of failing every window. A command that fails only at exec (a script whose
-/// interpreter is itself a script with a missing interpreter, which only the kernel finds out) ends
-/// the scheduler with 127, and the window's record says so.
+/// is claimed, and a resident scheduler ends instead of failing every window. A command that fails
+/// only at exec (a script whose interpreter is itself a script with a missing interpreter, which
+/// only the kernel finds out) ends the scheduler with 127 and leaves that in the window's record,
+/// and the window is not counted: the fixed command still runs in it.
 fn a_command_that_cannot_start_claims_no_window(backend: &Backend) {
     let mut lab = Lab::new();
     let url = backend.url();
@@ -265,21 +265,29 @@ fn a_command_that_cannot_start_claims_no_window(backend: &Backend) {
         !status(&lab, &url, "cannotstart").contains("last_window_start="),
         "nothing was claimed"
     );
-    let every = with(&["--every", "1s"]);
-    let (code, log) = lab.run(&every, &["nosuchcmd-xyz"], LONG);
+    let (code, log) = lab.run(&with(&["--every", "1s"]), &["nosuchcmd-xyz"], LONG);
     assert_eq!(code, 127, "a resident scheduler ends: {log}");
 
-    let (code, log) = lab.run(&once, &as_strs(&job(&lab, "0")), LONG);
-    assert_eq!(code, 0, "the fixed command runs in the same window: {log}");
-    assert_eq!(runs_per_window(&lab).values().sum::<usize>(), 1, "{log}");
-
-    // The next window of a 1s schedule, claimed and then not run: the kernel alone finds out.
-    let (code, log) = lab.run(&every, &[nested.to_str().unwrap()], LONG);
+    // Claimed, then not run: the kernel alone finds out.
+    let (code, log) = lab.run(&once, &[nested.to_str().unwrap()], LONG);
     assert_eq!(code, 127, "{log}");
     assert!(log.contains("event=\"window_not_run\""), "{log}");
     let text = status(&lab, &url, "cannotstart");
     assert!(text.contains("last_window_exit_code=127"), "{text}");
     assert!(text.contains("last_window_finished_at="), "{text}");
+    assert!(text.contains("last_window_not_started=true"), "{text}");
+
+    // Not counted: the fixed command runs in that same window, once.
+    let (code, log) = lab.run(&once, &as_strs(&job(&lab, "0")), LONG);
+    assert_eq!(code, 0, "the fixed command runs in the same window: {log}");
+    assert_eq!(runs_per_window(&lab).values().sum::<usize>(), 1, "{log}");
+    let (code, log) = lab.run(&once, &as_strs(&job(&lab, "0")), LONG);
+    assert_eq!(code, 0, "{log}");
+    assert!(log.contains("window claimed elsewhere"), "{log}");
+    assert_eq!(runs_per_window(&lab).values().sum::<usize>(), 1, "{log}");
+    let text = status(&lab, &url, "cannotstart");
+    assert!(text.contains("last_window_exit_code=0"), "{text}");
+    assert!(!text.contains("not_started"), "{text}");
 }
 
 /// One replica's clock 90s ahead, another's 90s behind, a third on time: windows come from the

@@ -37,6 +37,7 @@ use crate::handoff::Farewell;
 use crate::holder::Holder;
 use crate::record::{Previous, RecordFacts, RecordState};
 use crate::vocab::CheckOutcome;
+use crate::window::RunExit;
 
 /// The longest a standby sleeps between attempts when its watch did not report the key's deletion.
 const MAX_POLL: Duration = Duration::from_secs(2);
@@ -549,7 +550,7 @@ impl WindowStore for EtcdLock {
     async fn record_end(
         &mut self,
         _request: &ClaimRequest<'_>,
-        _exit_code: u8,
+        _exit: RunExit,
     ) -> Result<(), LockError> {
         Err(LockError::Refused(NO_CLOCK.to_owned()))
     }

@@ -29,7 +29,7 @@ use crate::handoff::Farewell;
 use crate::holder::Holder;
 use crate::record::{set_back_error, Fence, Previous, RecordFacts, RecordState};
 use crate::vocab::CheckOutcome;
-use crate::window::{self, Claim, RunEnd};
+use crate::window::{self, Claim, RunEnd, RunExit};
 
 /// The first line of every lock file this program writes. A lock file that is neither empty nor
 /// starts with it is someone else's file, named by mistake: it is refused and never written to.
@@ -816,7 +816,7 @@ impl WindowStore for FileLock {
     async fn record_end(
         &mut self,
         request: &ClaimRequest<'_>,
-        exit_code: u8,
+        exit: RunExit,
     ) -> Result<(), LockError> {
         let Some(claim) =
             self.record.claim.clone().filter(|c| {
@@ -827,8 +827,9 @@ impl WindowStore for FileLock {
         };
         self.write_claim(Claim {
             end: Some(RunEnd {
-                exit_code,
+                exit_code: exit.code,
                 finished_at: window::local_now(),
+                started: exit.started,
             }),
             ..claim
         })

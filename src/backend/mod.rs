@@ -31,7 +31,7 @@ use crate::handoff::TreeGone;
 use crate::holder::Holder;
 use crate::record::{Previous, RecordFacts};
 use crate::vocab::{CheckOutcome, LossReason, ENV_FENCING_TOKEN};
-use crate::window::{Claim, Schedule, UnixMicros, Window, WindowOutcome};
+use crate::window::{Claim, RunExit, Schedule, UnixMicros, Window, WindowOutcome};
 
 /// Why the lock could not be taken or used. Every variant means "the app must not run": exit 69,
 /// but `NotALockFile`, a mistake in the invocation: exit 2.
@@ -452,7 +452,7 @@ pub trait WindowStore: Send {
     async fn record_end(
         &mut self,
         request: &ClaimRequest<'_>,
-        exit_code: u8,
+        exit: RunExit,
     ) -> Result<(), LockError>;
 }
 
@@ -513,9 +513,9 @@ impl HeldLock {
     pub async fn record_end(
         &mut self,
         request: &ClaimRequest<'_>,
-        exit_code: u8,
+        exit: RunExit,
     ) -> Result<(), LockError> {
-        self.0.record_end(request, exit_code).await
+        self.0.record_end(request, exit).await
     }
 
     /// Says the lock will be given back once the app's tree is gone, so a session backend opens the

@@ -27,7 +27,7 @@ use crate::config::{LockName, MysqlTarget, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
 use crate::record::{Fence, Previous, RecordFacts, RecordState};
-use crate::window::{Claim, RunEnd, UnixMicros};
+use crate::window::{Claim, RunEnd, RunExit, UnixMicros};
 
 /// Server error codes that mean the server ended our session rather than refused one statement.
 const ER_SERVER_SHUTDOWN: u16 = 1053;
@@ -691,7 +691,7 @@ impl WindowStore for MysqlWindows {
     async fn record_end(
         &mut self,
         request: &ClaimRequest<'_>,
-        exit_code: u8,
+        exit: RunExit,
     ) -> Result<(), LockError> {
         let target = &self.target;
         let timings = request.timings;
@@ -701,7 +701,7 @@ impl WindowStore for MysqlWindows {
             "UPDATE sentinel_guard_windows SET finished_at = NOW(6), exit_code = ? \
              WHERE name = ? AND window_start = FROM_UNIXTIME(?) AND holder = ?",
             (
-                exit_code,
+                exit.stored(),
                 request.name.as_str(),
                 request.window.start / 1_000_000,
                 &request.holder.id,
@@ -732,6 +732,29 @@ impl MysqlWindows {
             .map_err(|e| query_error(target, "SELECT FROM sentinel_guard_windows", limit, e))?;
         if let Some(blocked) = ClaimAnswer::blocked_by(last.as_ref(), request.window) {
             return Ok(blocked);
+        }
+        // This window's own claim, whose command never started: it holds nothing, and its row
+        // goes for the new one (no proof needed to remove what blocks nothing).
+        if last
+            .as_ref()
+            .is_some_and(|last| last.window_start == request.window.start)
+        {
+            let delete = conn.exec_drop(
+                "DELETE FROM sentinel_guard_windows \
+                 WHERE name = ? AND window_start = FROM_UNIXTIME(?) AND exit_code < 0",
+                (name, request.window.start / 1_000_000),
+            );
+            match timeout(limit, delete).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(windows_error(target, e)),
+                Err(_) => {
+                    return Err(no_answer(
+                        target,
+                        "DELETE FROM sentinel_guard_windows",
+                        limit,
+                    ))
+                }
+            }
         }
         let inserted = match self.insert_claim(conn, request).await? {
             Insert::NoTable => {
@@ -1124,10 +1147,7 @@ async fn read_last_claim(
             host,
             claimed_at,
             end: match (finished_at, exit_code) {
-                (Some(finished_at), Some(code)) => Some(RunEnd {
-                    exit_code: u8::try_from(code).unwrap_or(u8::MAX),
-                    finished_at,
-                }),
+                (Some(finished_at), Some(code)) => Some(RunEnd::from_stored(code, finished_at)),
                 _ => None,
             },
         },

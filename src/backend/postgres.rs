@@ -41,7 +41,7 @@ use crate::config::{LockName, PostgresTarget, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
 use crate::record::{Fence, Previous, RecordFacts, RecordState};
-use crate::window::{Claim, RunEnd, UnixMicros};
+use crate::window::{Claim, RunEnd, RunExit, UnixMicros};
 
 use tls::Tls;
 
@@ -879,6 +879,20 @@ impl WindowStore for PostgresWindows {
             return Ok(blocked);
         }
         let (start, end) = (window.start / 1_000_000, window.end / 1_000_000);
+        // This window's own claim, whose command never started: it holds nothing, and its row
+        // goes for the new one (no proof needed to remove what blocks nothing).
+        if last
+            .as_ref()
+            .is_some_and(|last| last.window_start == window.start)
+        {
+            let delete = format!(
+                "DELETE FROM sentinel_guard_windows \
+                 WHERE name = '{name}' AND window_start = to_timestamp({start}) AND exit_code < 0"
+            );
+            query(&client, &delete, limit).await.map_err(|f| {
+                windows_error(target, "DELETE FROM sentinel_guard_windows", f, limit)
+            })?;
+        }
         let insert = format!(
             "INSERT INTO sentinel_guard_windows (name, window_start, holder, host, claimed_at) \
              SELECT '{name}', to_timestamp({start}), '{holder}', '{host}', clock_timestamp() \
@@ -923,16 +937,17 @@ impl WindowStore for PostgresWindows {
     async fn record_end(
         &mut self,
         request: &ClaimRequest<'_>,
-        exit_code: u8,
+        exit: RunExit,
     ) -> Result<(), LockError> {
         let (target, limit) = (&self.target, request.timings.check_timeout);
         let client = windows_session(target, request).await?;
         let update = format!(
-            "UPDATE sentinel_guard_windows SET finished_at = clock_timestamp(), exit_code = {exit_code} \
+            "UPDATE sentinel_guard_windows SET finished_at = clock_timestamp(), exit_code = {code} \
              WHERE name = '{name}' AND window_start = to_timestamp({start}) AND holder = '{holder}'",
             name = request.name.as_str(),
             start = request.window.start / 1_000_000,
             holder = request.holder.id,
+            code = exit.stored(),
         );
         query(&client, &update, limit)
             .await
@@ -1023,11 +1038,8 @@ async fn read_last_claim(
         holder_id: text(1),
         host: text(2),
         claimed_at: number(row, 3).unwrap_or_default(),
-        end: match (number::<i64>(row, 4), number::<u8>(row, 5)) {
-            (Some(finished_at), Some(exit_code)) => Some(RunEnd {
-                exit_code,
-                finished_at,
-            }),
+        end: match (number::<i64>(row, 4), number::<i64>(row, 5)) {
+            (Some(finished_at), Some(code)) => Some(RunEnd::from_stored(code, finished_at)),
             _ => None,
         },
     }))

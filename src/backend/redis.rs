@@ -43,7 +43,7 @@ use crate::handoff::Farewell;
 use crate::holder::Holder;
 use crate::record::{set_back_error, Previous, RecordFacts, RecordState};
 use crate::vocab::CheckOutcome;
-use crate::window::{Claim, UnixMicros, WindowOutcome};
+use crate::window::{Claim, RunExit, UnixMicros, WindowOutcome};
 
 /// The dataset a script runs on, as a Lua function `dataset()`: the server process and its
 /// replication history (`ACQUIRE`), or `''` where `INFO` is refused or says neither.
@@ -183,7 +183,8 @@ if micros < tonumber(ARGV[2]) or micros >= tonumber(ARGV[3]) then
   return {-2, ''}
 end
 local last = redis.call('GET', KEYS[2])
-if last then
+-- A claim whose command never started holds no window (`Claim::blocks`).
+if last and not string.find(last, ' not_started=1', 1, true) then
   local start = tonumber(string.match(last, 'window_start=(%-?%d+)'))
   local finished = tonumber(string.match(last, 'finished_at=(%-?%d+)'))
   if (start and start >= tonumber(ARGV[2])) or (finished and finished >= tonumber(ARGV[2])) then
@@ -195,14 +196,14 @@ return {1, ''}
 ";
 
 /// Adds a run's end to its claim, if the claim is still that run's. KEYS: window claim. ARGV: window
-/// start (µs), holder id, exit code.
+/// start (µs), holder id, exit code, the mark of a command that never started (`RunExit::text_mark`).
 const RECORD_END: &str = r"
 local last = redis.call('GET', KEYS[1])
 if last and string.match(last, 'window_start=(%-?%d+)') == ARGV[1]
     and string.match(last, 'claimed_by=(%S+)') == ARGV[2] then
   local now = redis.call('TIME')
   local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
-  redis.call('SET', KEYS[1], last .. ' exit_code=' .. ARGV[3] .. ' finished_at=' .. string.format('%.0f', micros))
+  redis.call('SET', KEYS[1], last .. ' exit_code=' .. ARGV[3] .. ' finished_at=' .. string.format('%.0f', micros) .. ARGV[4])
   return 1
 end
 return 0
@@ -1024,14 +1025,15 @@ impl WindowStore for RedisLock {
     async fn record_end(
         &mut self,
         request: &ClaimRequest<'_>,
-        exit_code: u8,
+        exit: RunExit,
     ) -> Result<(), LockError> {
         let script = Script::new(RECORD_END);
         let mut invocation = script.key(&self.keys.window);
         invocation
             .arg(request.window.start)
             .arg(&request.holder.id)
-            .arg(exit_code);
+            .arg(exit.code)
+            .arg(exit.text_mark());
         let _: i64 = run_script(&self.target, &invocation, request.timings).await?;
         Ok(())
     }

@@ -23,6 +23,7 @@ use crate::handoff::Farewell;
 use crate::record::Previous;
 use crate::vocab::CheckOutcome;
 use crate::vocab::LossReason;
+use crate::window::RunExit;
 
 /// The watcher's side: where to report a loss, and the request to release.
 pub struct WatcherEnds {
@@ -440,9 +441,9 @@ impl<W: WindowStore> WindowStore for SessionHeld<W> {
     async fn record_end(
         &mut self,
         request: &ClaimRequest<'_>,
-        exit_code: u8,
+        exit: RunExit,
     ) -> Result<(), LockError> {
-        self.windows.record_end(request, exit_code).await
+        self.windows.record_end(request, exit).await
     }
 }
 

@@ -16,6 +16,7 @@ use crate::vocab::{
     signal_name, AppStatus, LossReason, ENV_BACKEND, ENV_HOLDER_ID, ENV_NAME, ENV_WINDOW,
     ENV_WINDOW_START,
 };
+use crate::window::RunExit;
 
 use super::{at, command_outcome, lost, next_deadline, AppGone, Finished, Guard, HIDDEN_FROM_APP};
 
@@ -99,8 +100,11 @@ impl Guard<'_> {
                     .as_ref()
                     .is_some_and(|lock| lock.known_lost().is_none());
                 if let (Some(run), Some(lock), true) = (window, held.as_mut(), ours) {
-                    let code = outcome.exit_code(config.held_exit_code, &config.exit_code_map);
-                    if let Err(e) = lock.record_end(run, code).await {
+                    let exit = RunExit {
+                        code: outcome.exit_code(config.held_exit_code, &config.exit_code_map),
+                        started: false,
+                    };
+                    if let Err(e) = lock.record_end(run, exit).await {
                         warn!(event = "run_end_unrecorded", window = run.window.index, error = %e, "cannot record that the window's command did not start");
                     }
                 }
@@ -256,8 +260,11 @@ impl Guard<'_> {
         if still_ours {
             // The run's end is recorded under the lock, then it is given back.
             if let (Some(run), Some(lock)) = (window, held.as_mut()) {
-                let code = outcome.exit_code(config.held_exit_code, &config.exit_code_map);
-                if let Err(e) = lock.record_end(run, code).await {
+                let exit = RunExit {
+                    code: outcome.exit_code(config.held_exit_code, &config.exit_code_map),
+                    started: true,
+                };
+                if let Err(e) = lock.record_end(run, exit).await {
                     warn!(event = "run_end_unrecorded", window = run.window.index, error = %e, "cannot record how the window's run ended");
                 }
             }
