@@ -789,9 +789,16 @@ fn postgres_target(
             .query_pairs()
             .map(|(key, _)| key.into_owned())
             .find(|key| !POSTGRES_PARAMETERS.contains(&key.as_str()));
+        // Named only if it is a plain word: anything else could be a piece of a mistyped password.
+        let plain = |key: &String| key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
         match unknown {
             Some(key) => invalid(format!(
-                "--url {shown}: unknown parameter {key:?}; known: sslmode, sslrootcert, {}",
+                "--url {shown}: unknown parameter {}; known: sslmode, sslrootcert, {}",
+                if plain(&key) {
+                    format!("{key:?}")
+                } else {
+                    "(its name is not shown)".to_owned()
+                },
                 POSTGRES_PARAMETERS.join(", ")
             )),
             None => invalid(format!("--url {shown}: {}", shown.scrub(e))),
@@ -809,6 +816,26 @@ fn postgres_target(
         url: shown,
         secret: SecretUrl::new(raw.to_owned()),
     })))
+}
+
+/// `raw` with a `/`, `?` or `#` in its credentials percent-encoded. The credentials end at the URL's
+/// last `@` (as for etcd), but a URL parser ends them at the first of those: a password such as
+/// `2024#Spring!` would be read as a host and a fragment, and printed unmasked.
+fn credentials_encoded(raw: &str) -> std::borrow::Cow<'_, str> {
+    let Some((scheme, rest)) = raw.split_once("://") else {
+        return raw.into();
+    };
+    let Some((userinfo, after)) = rest.rsplit_once('@') else {
+        return raw.into();
+    };
+    if !userinfo.contains(['/', '?', '#']) {
+        return raw.into();
+    }
+    let encoded = userinfo
+        .replace('/', "%2F")
+        .replace('?', "%3F")
+        .replace('#', "%23");
+    format!("{scheme}://{encoded}@{after}").into()
 }
 
 /// The URL parameters the PostgreSQL driver takes (`sslmode` and `sslrootcert` are the guard's).
@@ -899,14 +926,26 @@ fn masked_query(query: &str, secrets: &mut Vec<String>) -> String {
                     .map(|(_, v)| v.into_owned())
                     .unwrap_or_default()
             };
-            if SHOWN.contains(&decode(key).to_ascii_lowercase().as_str()) {
+            let name = decode(key);
+            if SHOWN.contains(&name.to_ascii_lowercase().as_str()) {
                 pair.to_owned()
             } else {
                 let value = decode(value);
                 if value.len() >= 4 {
                     secrets.push(value);
                 }
-                format!("{key}=***")
+                // A name that is no plain word may be a piece of a mistyped password.
+                if name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "_-".contains(c))
+                {
+                    format!("{key}=***")
+                } else {
+                    if name.len() >= 4 {
+                        secrets.push(name);
+                    }
+                    "***=***".to_owned()
+                }
             }
         })
         .collect::<Vec<_>>()
@@ -921,6 +960,7 @@ impl fmt::Display for RedactedUrl {
 
 impl Target {
     pub fn parse(raw: &str, redis_prefix: &str) -> Result<Target, ConfigError> {
+        let raw = &credentials_encoded(raw);
         // `redis:/host` or `mysql:host`: a known scheme whose `//` is missing.
         if let Some((scheme, _)) = raw.split_once(':') {
             let known = [
@@ -982,7 +1022,7 @@ impl Target {
                 Ok(Target::Mysql(MysqlTarget {
                     opts,
                     url,
-                    secret: SecretUrl::new(raw.to_owned()),
+                    secret: SecretUrl::new(raw.to_string()),
                     ca_file: None,
                 }))
             }
@@ -1435,6 +1475,27 @@ mod tests {
             assert!(!error.contains("hunter2"), "{raw}: {error}");
             assert!(error.contains("=***"), "{raw}: {error}");
         }
+        // A password with a character a URL parser ends credentials at: taken up to the last `@`,
+        // and masked, wherever it is printed.
+        for raw in [
+            "postgres://app:2024#hunter2!@127.0.0.1:1/prod",
+            "mysql://app:a/hunter2@127.0.0.1:1/prod",
+            "redis://:what?hunter2@127.0.0.1:1/0",
+            "postgres://u:p@ss?hunter2@127.0.0.1:1/db",
+        ] {
+            let shown = match Target::parse(raw, "sg") {
+                Ok(target) => target.location(),
+                Err(e) => e.to_string(),
+            };
+            assert!(!shown.contains("hunter2"), "{raw}: {shown}");
+        }
+        let Ok(Target::Postgres(t)) =
+            Target::parse("postgres://app:2024#hunter2!@127.0.0.1:1/prod", "sg")
+        else {
+            panic!("not postgres")
+        };
+        assert_eq!(t.config.get_password(), Some(&b"2024#hunter2!"[..]));
+        assert_eq!(t.config.get_user(), Some("app"));
     }
 
     #[test]

@@ -61,6 +61,26 @@ pub fn check_filter(raw: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// One error line in the JSON format, for what comes before logging is set up (a refused
+/// configuration): written straight to stderr, so no filter can silence it.
+pub fn json_error_line(event: &str, message: &str, error: &str) -> String {
+    let mut line = Map::new();
+    line.insert(
+        "timestamp".into(),
+        humantime::format_rfc3339_millis(SystemTime::now())
+            .to_string()
+            .into(),
+    );
+    line.insert("level".into(), "error".into());
+    for key in ALWAYS_PRESENT {
+        line.insert(key.into(), Value::Null);
+    }
+    line.insert("event".into(), event.into());
+    line.insert("message".into(), message.into());
+    line.insert("error".into(), error.into());
+    Value::Object(line).to_string()
+}
+
 /// Lines a full stderr may hold back before new ones are dropped.
 const BUFFERED_LINES: usize = 1024;
 

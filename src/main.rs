@@ -66,8 +66,14 @@ fn main() -> ExitCode {
     let invocation = match Invocation::from_cli(cli, guard_switch.as_deref()) {
         Ok(invocation) => invocation,
         Err(e) if json_errors => {
-            let _flush = logging::init(cli::LogFormat::Json);
-            tracing::error!(event = "config_invalid", error = %e, "configuration refused; nothing was contacted");
+            eprintln!(
+                "{}",
+                logging::json_error_line(
+                    "config_invalid",
+                    "configuration refused; nothing was contacted",
+                    &e.to_string()
+                )
+            );
             return ExitCode::from(EXIT_USAGE);
         }
         Err(e) => {
@@ -163,7 +169,12 @@ fn with_separator_hint(mut error: clap::Error) -> clap::Error {
         }
     });
     let hint = match (&wait_value, &stray) {
-        _ if error.kind() == ErrorKind::MissingRequiredArgument => {
+        _ if error.kind() == ErrorKind::MissingRequiredArgument
+            && matches!(
+                error.get(ContextKind::InvalidArg),
+                Some(ContextValue::Strings(missing)) if missing.iter().any(|m| m.contains("<COMMAND>"))
+            ) =>
+        {
             "give the command to guard after `--` (sentinel-guard --url URL --name NAME -- ./app), \
              or a subcommand: status, man, completions"
                 .to_owned()

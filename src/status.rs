@@ -12,6 +12,17 @@ use crate::record::RecordFacts;
 use crate::vocab::{EXIT_UNAVAILABLE, EXIT_USAGE};
 use crate::window::Claim;
 
+/// The facts `status --format json` gives as numbers.
+const NUMBERS: &[&str] = &[
+    "pid",
+    "locked_by_pid",
+    "connection_id",
+    "backend_pid",
+    "command_secs",
+    "fencing_token",
+    "last_window_exit_code",
+];
+
 pub const EXIT_HELD: u8 = 0;
 pub const EXIT_FREE: u8 = 3;
 
@@ -140,19 +151,21 @@ fn render(
             line
         }
         OutputFormat::Json => {
-            // Numbers as numbers (a pid, an exit code, a fencing token: 64-bit integers), the rest
-            // as strings.
-            let typed = |value: &String| match value.parse::<i64>() {
-                Ok(n) => json!(n),
-                Err(_) => value
-                    .parse::<u64>()
-                    .map_or_else(|_| Value::String(value.clone()), |n| json!(n)),
+            // The facts that are numbers as JSON numbers (64-bit integers); the rest, holder ids
+            // and host names that may happen to be all digits among them, as strings.
+            let typed = |key: &str, value: &String| {
+                let number = NUMBERS.contains(&key) || key.ends_with("_ms");
+                match (number, value.parse::<i64>(), value.parse::<u64>()) {
+                    (true, Ok(n), _) => json!(n),
+                    (true, _, Ok(n)) => json!(n),
+                    _ => Value::String(value.clone()),
+                }
             };
             let object = |facts: &[(&'static str, String)]| {
                 Value::Object(
                     facts
                         .iter()
-                        .map(|(k, v)| (k.to_string(), typed(v)))
+                        .map(|(k, v)| (k.to_string(), typed(k, v)))
                         .collect::<Map<_, _>>(),
                 )
             };

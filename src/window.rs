@@ -262,9 +262,10 @@ impl Claim {
     /// later one is already claimed, or the claimed run ended after `window` had started (windows
     /// that start during a run are skipped by everybody). `None`: `window` may be claimed.
     pub fn blocks(&self, window: &Window) -> Option<WindowOutcome> {
-        // Nothing ran under it: the window it named may be claimed again, by any replica.
+        // Nothing ran under it: the window it named may be claimed again, by any replica; claims
+        // still only move forward, so an earlier window stays claimed elsewhere.
         if self.end.is_some_and(|end| !end.started) {
-            None
+            (self.window_start > window.start).then_some(WindowOutcome::ClaimedElsewhere)
         } else if self.window_start >= window.start {
             Some(WindowOutcome::ClaimedElsewhere)
         } else if self.end.is_some_and(|end| end.finished_at >= window.start) {
@@ -391,6 +392,16 @@ mod tests {
             end: claim.window_start + 3_600_000_000,
         };
         assert_eq!(never_started.blocks(&window), None, "nothing ran under it");
+        let earlier = Window {
+            index: -1,
+            start: window.start - 3_600_000_000,
+            end: window.start,
+        };
+        assert_eq!(
+            never_started.blocks(&earlier),
+            Some(WindowOutcome::ClaimedElsewhere),
+            "claims only move forward"
+        );
         assert_eq!(claim.blocks(&window), Some(WindowOutcome::ClaimedElsewhere));
         for (exit_code, started) in [(127, false), (0, true), (126, false), (255, true)] {
             let stored = RunExit {

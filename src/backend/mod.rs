@@ -91,18 +91,27 @@ impl HolderInfo {
                 .with("holder_id", h.id)
                 .with("host", h.host)
                 .with("pid", h.pid)
-                .with(
-                    "started",
-                    humantime::format_rfc3339_seconds(
-                        std::time::UNIX_EPOCH + std::time::Duration::from_secs(h.started),
-                    ),
-                ),
+                .with("started", started_at(h.started)),
             None => self,
         }
     }
 
     pub fn fields(&self) -> &[(&'static str, String)] {
         &self.0
+    }
+}
+
+/// A holder's start, RFC 3339. The number comes from outside the guard (a lock file, a Redis value,
+/// a query text on the server): one no clock can mean (from the year 10000 on) is shown as it is.
+fn started_at(unix_secs: u64) -> String {
+    const YEAR_10000: u64 = 253_402_300_800;
+    if unix_secs < YEAR_10000 {
+        humantime::format_rfc3339_seconds(
+            std::time::UNIX_EPOCH + std::time::Duration::from_secs(unix_secs),
+        )
+        .to_string()
+    } else {
+        unix_secs.to_string()
     }
 }
 
@@ -547,5 +556,18 @@ pub fn say_farewell(message: &[u8]) -> Result<String, String> {
         farewell::Server::Mysql => mysql::end_session(&farewell),
         farewell::Server::Postgres => postgres::end_session(&farewell),
         farewell::Server::Etcd => etcd::end_session(&farewell),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_holders_start_from_outside_never_panics() {
+        assert_eq!(started_at(0), "1970-01-01T00:00:00Z");
+        assert_eq!(started_at(1_796_029_255), "2026-11-30T09:00:55Z");
+        assert_eq!(started_at(253_402_300_800), "253402300800");
+        assert_eq!(started_at(u64::MAX), u64::MAX.to_string());
     }
 }

@@ -183,11 +183,16 @@ if micros < tonumber(ARGV[2]) or micros >= tonumber(ARGV[3]) then
   return {-2, ''}
 end
 local last = redis.call('GET', KEYS[2])
--- A claim whose command never started holds no window (`Claim::blocks`).
-if last and not string.find(last, ' not_started=1', 1, true) then
+if last then
   local start = tonumber(string.match(last, 'window_start=(%-?%d+)'))
   local finished = tonumber(string.match(last, 'finished_at=(%-?%d+)'))
-  if (start and start >= tonumber(ARGV[2])) or (finished and finished >= tonumber(ARGV[2])) then
+  -- A claim whose command never started holds its own window no more, but still keeps every
+  -- earlier one from being claimed (`Claim::blocks`).
+  if string.find(last, ' not_started=1', 1, true) then
+    if start and start > tonumber(ARGV[2]) then
+      return {0, last}
+    end
+  elseif (start and start >= tonumber(ARGV[2])) or (finished and finished >= tonumber(ARGV[2])) then
     return {0, last}
   end
 end
@@ -575,7 +580,10 @@ impl Failure {
         Failure {
             error: lock_error(target, e),
             permanent: is_permanent(e),
-            sent_nothing: e.is_connection_refusal(),
+            // Only a server addressed directly: a cluster client retries inside, after a script
+            // may have gone out, and an old primary refuses while sentinels move to a new one.
+            sent_nothing: e.is_connection_refusal()
+                && matches!(target.servers, RedisServers::Primary(_)),
         }
     }
 
@@ -614,6 +622,8 @@ pub async fn acquire(
     let mut conn = None;
     let fail_closed_at = Instant::now() + timings.connect_timeout;
     let mut answered = false;
+    // Whether an earlier attempt may have sent the script, whose lease a lost reply would leave.
+    let mut maybe_sent = false;
     let (mut contention, mut backoff) = (Contention::new(&**request.observer), Backoff::new());
     loop {
         let failure = match attempt(target, &mut conn, &invocation, &keys, &timings).await {
@@ -683,8 +693,10 @@ pub async fn acquire(
         } else {
             // Before the first answer the guard fails closed, but the acquire script is idempotent
             // for our token: a reply lost to a timeout is simply asked again until connect-timeout.
-            // A refused connection lost nothing: it fails at once, as on every backend.
-            if failure.sent_nothing || Instant::now() + ACQUIRE_RETRY_PAUSE >= fail_closed_at {
+            // A refused first connection lost nothing: it fails at once, as on every backend.
+            let nothing_sent = failure.sent_nothing && !maybe_sent;
+            maybe_sent |= !failure.sent_nothing;
+            if nothing_sent || Instant::now() + ACQUIRE_RETRY_PAUSE >= fail_closed_at {
                 return Err(failure.error);
             }
             debug!(error = %failure.error, "redis acquisition attempt failed; retrying");
