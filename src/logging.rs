@@ -64,17 +64,7 @@ pub fn check_filter(raw: &str) -> Result<(), String> {
 /// One error line in the JSON format, for what comes before logging is set up (a refused
 /// configuration): written straight to stderr, so no filter can silence it.
 pub fn json_error_line(event: &str, message: &str, error: &str) -> String {
-    let mut line = Map::new();
-    line.insert(
-        "timestamp".into(),
-        humantime::format_rfc3339_millis(SystemTime::now())
-            .to_string()
-            .into(),
-    );
-    line.insert("level".into(), "error".into());
-    for key in ALWAYS_PRESENT {
-        line.insert(key.into(), Value::Null);
-    }
+    let mut line = line_head("error");
     line.insert("event".into(), event.into());
     line.insert("message".into(), message.into());
     line.insert("error".into(), error.into());
@@ -125,20 +115,7 @@ where
         mut writer: Writer<'_>,
         event: &Event<'_>,
     ) -> fmt::Result {
-        let mut line = Map::new();
-        line.insert(
-            "timestamp".into(),
-            humantime::format_rfc3339_millis(SystemTime::now())
-                .to_string()
-                .into(),
-        );
-        line.insert(
-            "level".into(),
-            event.metadata().level().as_str().to_lowercase().into(),
-        );
-        for key in ALWAYS_PRESENT {
-            line.insert(key.into(), Value::Null);
-        }
+        let mut line = line_head(&event.metadata().level().as_str().to_lowercase());
         // Span fields are kept as JSON text by `JsonFields`; inner spans override outer ones.
         if let Some(scope) = ctx.event_scope() {
             for span in scope.from_root() {
@@ -204,6 +181,22 @@ fn key_values(text: &str) -> Map<String, Value> {
         rest = after.trim_start();
     }
     fields
+}
+
+/// What every JSON line starts with: the time, the level, and the keys always present, `null`.
+fn line_head(level: &str) -> Map<String, Value> {
+    let mut line = Map::new();
+    line.insert(
+        "timestamp".into(),
+        humantime::format_rfc3339_millis(SystemTime::now())
+            .to_string()
+            .into(),
+    );
+    line.insert("level".into(), level.into());
+    for key in ALWAYS_PRESENT {
+        line.insert(key.into(), Value::Null);
+    }
+    line
 }
 
 fn parse_object(text: &str) -> Map<String, Value> {
