@@ -73,7 +73,7 @@ pub fn resolve(command: &[OsString]) -> Result<(), SpawnError> {
         };
         match errno {
             libc::EACCES => denied = Some(io::Error::from_raw_os_error(libc::EACCES)),
-            libc::ENOENT | libc::ENOTDIR | libc::ESTALE | libc::ENODEV | libc::ETIMEDOUT => {}
+            errno if search_goes_on(errno) => {}
             // Where exec stops its search (a loop of links, a name too long, an I/O error).
             other => {
                 return Err(SpawnError::NotExecutable {
@@ -449,7 +449,7 @@ impl Exec {
                         .unwrap_or(libc::EINVAL);
                 }
                 libc::EACCES => denied = true,
-                libc::ENOENT | libc::ENOTDIR | libc::ESTALE | libc::ENODEV | libc::ETIMEDOUT => {}
+                errno if search_goes_on(errno) => {}
                 other => return other,
             }
         }
@@ -459,6 +459,15 @@ impl Exec {
             last
         }
     }
+}
+
+/// The errors after which execvp tries the next candidate of its search (and `EACCES`, which it
+/// also remembers): the look-up before the lock and the exec itself judge a candidate alike.
+fn search_goes_on(errno: i32) -> bool {
+    matches!(
+        errno,
+        libc::ENOENT | libc::ENOTDIR | libc::ESTALE | libc::ENODEV | libc::ETIMEDOUT
+    )
 }
 
 const SH: &std::ffi::CStr = c"/bin/sh";
