@@ -756,6 +756,11 @@ impl RedactedUrl {
         if let Some(query) = url.query() {
             shown.set_query(Some(&masked_query(query, &mut secrets)));
         }
+        // A fragment means nothing to any backend: a password's tail after a `#`, if anything.
+        if let Some(fragment) = url.fragment() {
+            secrets.push(fragment.to_owned());
+            shown.set_fragment(Some("***"));
+        }
         secrets.retain(|secret| !secret.is_empty());
         RedactedUrl {
             shown: shown.to_string(),
@@ -818,24 +823,28 @@ fn postgres_target(
     })))
 }
 
-/// `raw` with a `/`, `?` or `#` in its credentials percent-encoded. The credentials end at the URL's
-/// last `@` (as for etcd), but a URL parser ends them at the first of those: a password such as
-/// `2024#Spring!` would be read as a host and a fragment, and printed unmasked.
-fn credentials_encoded(raw: &str) -> std::borrow::Cow<'_, str> {
+/// Refuses a MySQL, PostgreSQL or Redis URL with an `@` after the first `/`, `?` or `#` of its
+/// authority. Either a password holds one of those (`2024#Spring!@db`), which a URL parser reads as
+/// a host and a fragment and prints unmasked, or a path or query holds an `@`, which a reader that
+/// ends the credentials at the last `@` takes for another server. No guess is safe: both must be
+/// percent-encoded. (etcd's URLs end the credentials at the last `@`, and say so.)
+fn unambiguous_credentials(raw: &str) -> Result<(), ConfigError> {
     let Some((scheme, rest)) = raw.split_once("://") else {
-        return raw.into();
+        return Ok(());
     };
-    let Some((userinfo, after)) = rest.rsplit_once('@') else {
-        return raw.into();
-    };
-    if !userinfo.contains(['/', '?', '#']) {
-        return raw.into();
+    let sql_or_redis =
+        matches!(scheme, "mysql" | "postgres" | "postgresql") || scheme.starts_with("redis");
+    let after_delimiter = rest
+        .find(['/', '?', '#'])
+        .is_some_and(|at| rest[at..].contains('@'));
+    if sql_or_redis && after_delimiter {
+        return Err(invalid(
+            "--url: an @ comes after a /, ? or # (the URL is not shown, since it may hold a \
+             password): percent-encode a password's / ? # as %2F %3F %23, and an @ in a path or \
+             query as %40",
+        ));
     }
-    let encoded = userinfo
-        .replace('/', "%2F")
-        .replace('?', "%3F")
-        .replace('#', "%23");
-    format!("{scheme}://{encoded}@{after}").into()
+    Ok(())
 }
 
 /// The URL parameters the PostgreSQL driver takes (`sslmode` and `sslrootcert` are the guard's).
@@ -896,6 +905,7 @@ fn postgres_socket_with_credentials(raw: &str) -> Option<Result<Target, ConfigEr
 /// URL). The hidden values join `secrets`, so a message that repeats one is scrubbed too; values
 /// too short to be a credential stay out, or every `1` of a message would be scrubbed.
 fn masked_query(query: &str, secrets: &mut Vec<String>) -> String {
+    const CREDENTIAL_WORDS: &[&str] = &["password", "pass", "pwd", "token", "secret"];
     const SHOWN: &[&str] = &[
         "sslmode",
         "sslrootcert",
@@ -934,18 +944,15 @@ fn masked_query(query: &str, secrets: &mut Vec<String>) -> String {
                 if value.len() >= 4 {
                     secrets.push(value);
                 }
-                // A name that is no plain word may be a piece of a mistyped password.
-                if name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "_-".contains(c))
+                // The name too: `?password=Xy7&kP9qRt` makes a parameter of a password's tail,
+                // and a driver that refuses it names it. Only the words that say a credential
+                // follows stay out of the scrubbing, so messages keep them.
+                if !CREDENTIAL_WORDS.contains(&name.to_ascii_lowercase().as_str())
+                    && name.len() >= 4
                 {
-                    format!("{key}=***")
-                } else {
-                    if name.len() >= 4 {
-                        secrets.push(name);
-                    }
-                    "***=***".to_owned()
+                    secrets.push(name);
                 }
+                "***=***".to_owned()
             }
         })
         .collect::<Vec<_>>()
@@ -960,7 +967,7 @@ impl fmt::Display for RedactedUrl {
 
 impl Target {
     pub fn parse(raw: &str, redis_prefix: &str) -> Result<Target, ConfigError> {
-        let raw = &credentials_encoded(raw);
+        unambiguous_credentials(raw)?;
         // `redis:/host` or `mysql:host`: a known scheme whose `//` is missing.
         if let Some((scheme, _)) = raw.split_once(':') {
             let known = [
@@ -1022,7 +1029,7 @@ impl Target {
                 Ok(Target::Mysql(MysqlTarget {
                     opts,
                     url,
-                    secret: SecretUrl::new(raw.to_string()),
+                    secret: SecretUrl::new(raw.to_owned()),
                     ca_file: None,
                 }))
             }
@@ -1475,13 +1482,29 @@ mod tests {
             assert!(!error.contains("hunter2"), "{raw}: {error}");
             assert!(error.contains("=***"), "{raw}: {error}");
         }
-        // A password with a character a URL parser ends credentials at: taken up to the last `@`,
-        // and masked, wherever it is printed.
+        // A password with a character a URL parser ends the credentials at, or an @ in a path or
+        // query: refused, never guessed (it could name another server), and never shown.
         for raw in [
             "postgres://app:2024#hunter2!@127.0.0.1:1/prod",
             "mysql://app:a/hunter2@127.0.0.1:1/prod",
             "redis://:what?hunter2@127.0.0.1:1/0",
             "postgres://u:p@ss?hunter2@127.0.0.1:1/db",
+            "postgres://app:hunter2@db1/app?application_name=job@db2",
+        ] {
+            let error = Target::parse(raw, "sg").unwrap_err().to_string();
+            assert!(!error.contains("hunter2"), "{raw}: {error}");
+            assert!(error.contains("percent-encode"), "{raw}: {error}");
+        }
+        // Encoded, the same password works; a fragment and a password's tail after `&` are masked.
+        let Ok(Target::Postgres(t)) =
+            Target::parse("postgres://app:2024%23hunter2!@127.0.0.1:1/prod", "sg")
+        else {
+            panic!("not postgres")
+        };
+        assert_eq!(t.config.get_password(), Some(&b"2024#hunter2!"[..]));
+        for raw in [
+            "mysql://guard@db/app?password=Xy7&hunter2",
+            "mysql://guard@db/app?pool_min=1#hunter2",
         ] {
             let shown = match Target::parse(raw, "sg") {
                 Ok(target) => target.location(),
@@ -1489,13 +1512,8 @@ mod tests {
             };
             assert!(!shown.contains("hunter2"), "{raw}: {shown}");
         }
-        let Ok(Target::Postgres(t)) =
-            Target::parse("postgres://app:2024#hunter2!@127.0.0.1:1/prod", "sg")
-        else {
-            panic!("not postgres")
-        };
-        assert_eq!(t.config.get_password(), Some(&b"2024#hunter2!"[..]));
-        assert_eq!(t.config.get_user(), Some("app"));
+        // A file lock's path may hold an @.
+        assert!(Target::parse("file:///run/lock/backup@nightly.lock", "sg").is_ok());
     }
 
     #[test]

@@ -47,6 +47,10 @@ pub fn show_duration(duration: std::time::Duration) -> String {
     parts.join(" ")
 }
 
+/// The first second RFC 3339 cannot write (the year 10000), past which a time read from outside the
+/// guard is shown as its number instead.
+pub const RFC3339_END_SECS: u64 = 253_402_300_800;
+
 /// The variables the guard sets in the app's environment (what each means: `cli::APP_ENV`).
 pub const ENV_NAME: &str = "SENTINEL_GUARD_NAME";
 pub const ENV_BACKEND: &str = "SENTINEL_GUARD_BACKEND";

@@ -89,7 +89,12 @@ fn micros(d: Duration) -> i64 {
 }
 
 /// RFC 3339 in UTC with microseconds; times before the epoch (never a real clock) read as the epoch.
+/// A time read from a backend, which no clock may mean (the year 10000 and after), is shown as its
+/// number: RFC 3339 has four digits for the year.
 pub fn rfc3339(at: UnixMicros) -> String {
+    if at >= crate::vocab::RFC3339_END_SECS as i64 * 1_000_000 {
+        return at.to_string();
+    }
     let at = UNIX_EPOCH + Duration::from_micros(at.max(0) as u64);
     humantime::format_rfc3339_micros(at).to_string()
 }
@@ -375,6 +380,7 @@ mod tests {
             }),
         };
         assert_eq!(Claim::parse(&claim.encode()), Some(claim.clone()));
+        assert_eq!(rfc3339(i64::MAX), i64::MAX.to_string());
         let never_started = Claim {
             end: claim.end.map(|end| RunEnd {
                 started: false,

@@ -104,8 +104,7 @@ impl HolderInfo {
 /// A holder's start, RFC 3339. The number comes from outside the guard (a lock file, a Redis value,
 /// a query text on the server): one no clock can mean (from the year 10000 on) is shown as it is.
 fn started_at(unix_secs: u64) -> String {
-    const YEAR_10000: u64 = 253_402_300_800;
-    if unix_secs < YEAR_10000 {
+    if unix_secs < crate::vocab::RFC3339_END_SECS {
         humantime::format_rfc3339_seconds(
             std::time::UNIX_EPOCH + std::time::Duration::from_secs(unix_secs),
         )

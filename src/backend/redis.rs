@@ -1046,7 +1046,14 @@ impl WindowStore for RedisLock {
             .arg(&request.holder.id)
             .arg(exit.code)
             .arg(exit.text_mark());
-        let _: i64 = run_script(&self.target, &invocation, request.timings).await?;
+        let recorded: i64 = run_script(&self.target, &invocation, request.timings).await?;
+        if recorded == 0 {
+            warn!(
+                event = "run_end_unrecorded",
+                window = request.window.index,
+                "the window's claim is no longer this run's (lost in a failover?); its end is not recorded"
+            );
+        }
         Ok(())
     }
 }
