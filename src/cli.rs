@@ -10,7 +10,8 @@ use std::time::Duration;
 use clap::{Args, Parser, ValueEnum};
 
 use crate::vocab::{
-    ENV_BACKEND, ENV_FENCING_TOKEN, ENV_HOLDER_ID, ENV_NAME, ENV_WINDOW, ENV_WINDOW_START,
+    ENV_BACKEND, ENV_FENCING_TOKEN, ENV_HOLDER_ID, ENV_NAME, ENV_SOCKET, ENV_WINDOW,
+    ENV_WINDOW_START,
 };
 use crate::window::IfUnavailable;
 
@@ -49,6 +50,11 @@ pub const APP_ENV: &[(&str, &str)] = &[
         "a number that strictly increases with every acquisition of the lock name, on every backend",
     ),
     (
+        ENV_SOCKET,
+        "a Unix socket that answers whether the lock is still held and for how long \
+         (`sentinel-guard held`)",
+    ),
+    (
         ENV_WINDOW,
         "--every/--once-per only: the number k of the window being run",
     ),
@@ -75,6 +81,10 @@ pub const EXAMPLES: &[(&str, &str)] = &[
     (
         "sentinel-guard --url file:///run/lock/backup.lock --name backup --once-per 24h -- ./backup",
         "from a cron line: at most one run per day",
+    ),
+    (
+        "sentinel-guard held --min-validity 5s && ./write-next-batch",
+        "from inside the app: write only while the lock is promised for 5s more",
     ),
     (
         "sentinel-guard status --url mysql://guard@db/app --name billing",
@@ -237,6 +247,30 @@ pub struct Cli {
     )]
     pub if_unavailable: Option<IfUnavailable>,
 
+    /// Health check of the app, run by /bin/sh -c every --health-interval; after --health-retries
+    /// failures in a row the guard stops the app, releases the lock and exits 76 (default: none)
+    #[arg(long, env = "SENTINEL_GUARD_HEALTH_CMD", value_name = "CMD")]
+    pub health_cmd: Option<String>,
+
+    /// Time from the app's start, and from the end of one health check, to the next check (100ms to
+    /// 1d) [default: 10s]
+    #[arg(long, env = "SENTINEL_GUARD_HEALTH_INTERVAL", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub health_interval: Option<Duration>,
+
+    /// A health check still running after this long is killed and counts as failed (10ms to 1h)
+    /// [default: 5s]
+    #[arg(long, env = "SENTINEL_GUARD_HEALTH_TIMEOUT", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub health_timeout: Option<Duration>,
+
+    /// Failed health checks in a row that make the app unhealthy (1 to 1000) [default: 3]
+    #[arg(long, env = "SENTINEL_GUARD_HEALTH_RETRIES", value_parser = clap::value_parser!(u32).range(1..=1000), value_name = "N")]
+    pub health_retries: Option<u32>,
+
+    /// Failures in this long after the app starts are not counted, unless a check has passed (at
+    /// most 1d) [default: 0s]
+    #[arg(long, env = "SENTINEL_GUARD_HEALTH_START_PERIOD", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub health_start_period: Option<Duration>,
+
     /// Serve /metrics, /healthz and /leader over HTTP on this address: HOST:PORT (a name is resolved once, at start), or :PORT for every interface, e.g. :9464 (default: off)
     #[arg(long, env = "SENTINEL_GUARD_METRICS_ADDR", value_name = "ADDR")]
     pub metrics_addr: Option<String>,
@@ -287,6 +321,9 @@ pub struct LockArgs {
 pub enum Subcommand {
     /// Show who holds the lock. Exit 0 = held, 3 = free, 69 = backend unreachable, 2 = usage
     Status(StatusArgs),
+    /// From inside the app: is the lock still held? Exit 0 = held (for at least --min-validity),
+    /// 75 = not held or not for long enough, 2 = not run under a guard
+    Held(HeldArgs),
     /// Print the man page (roff) to stdout
     Man,
     /// Print a shell completion script to stdout
@@ -302,6 +339,17 @@ pub struct StatusArgs {
     pub lock: LockArgs,
 
     /// Output as one line of key=value pairs, or as one JSON object
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
+    pub format: OutputFormat,
+}
+
+#[derive(Debug, Args)]
+pub struct HeldArgs {
+    /// Answer "held" only if the guard can still promise the lock for at least this long (at most 1d)
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration, value_name = "DUR")]
+    pub min_validity: Duration,
+
+    /// Output as one line of key=value pairs, or as the guard's JSON line
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub format: OutputFormat,
 }

@@ -65,6 +65,8 @@ pub const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 pub const MAX_TTL: Duration = DAY;
 pub const MAX_RENEW_INTERVAL: Duration = DAY;
 pub const MAX_TAKEOVER_DELAY: Duration = HOUR;
+/// No lock is promised for longer than a lease lasts.
+pub const MAX_MIN_VALIDITY: Duration = DAY;
 /// humantime's year (365.25 days): `1y` is the longest wait, run or window.
 const YEAR: Duration = Duration::from_secs(31_557_600);
 pub const MAX_WAIT: Duration = YEAR;
@@ -100,6 +102,11 @@ const MAX_NAME_LEN: usize = 64;
 pub enum Invocation {
     Guard(Box<Config>),
     Status(StatusConfig),
+    /// `held`: asks the guard whose socket the environment names.
+    Held {
+        min_validity: Duration,
+        format: OutputFormat,
+    },
     Man,
     Completions(clap_complete::Shell),
 }
@@ -110,6 +117,13 @@ impl Invocation {
         match cli.subcommand {
             Some(Subcommand::Status(args)) => {
                 Ok(Invocation::Status(StatusConfig::from_args(args)?))
+            }
+            Some(Subcommand::Held(args)) => {
+                at_most("--min-validity", args.min_validity, MAX_MIN_VALIDITY)?;
+                Ok(Invocation::Held {
+                    min_validity: args.min_validity,
+                    format: args.format,
+                })
             }
             Some(Subcommand::Man) => Ok(Invocation::Man),
             Some(Subcommand::Completions { shell }) => Ok(Invocation::Completions(shell)),
@@ -141,6 +155,8 @@ pub struct Config {
     pub max_runtime: Option<Duration>,
     /// `--every` or `--once-per`: runs in windows rather than one run under a held lock.
     pub schedule: Option<Schedule>,
+    /// `--health-cmd` and its companions.
+    pub health: Option<HealthCheck>,
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// Options given that do not apply to the backend (`not_applicable`), said at start.
     pub ignored_options: Vec<&'static str>,
@@ -334,6 +350,12 @@ impl Config {
             return Err(invalid("--max-runtime must be longer than 0s"));
         }
         let schedule = schedule(&cli, wait, target.as_ref())?;
+        let health = health_check(&cli)?;
+        if health.is_some() && schedule.is_some() {
+            return Err(invalid(
+                "--health-cmd cannot be used with --every or --once-per: it watches a long-running app; bound a scheduled run with --max-runtime",
+            ));
+        }
         Ok(Config {
             name,
             target: if guarded { target } else { None },
@@ -352,12 +374,69 @@ impl Config {
             exit_code_map: ExitCodeMap::parse(&cli.exit_code_map)?,
             max_runtime: cli.max_runtime,
             schedule,
+            health,
             metrics_addr: cli.metrics_addr.as_deref().map(listen_addr).transpose()?,
             ignored_options: ignored,
             log_format: cli.log_format,
             command: cli.command,
         })
     }
+}
+
+/// `--health-cmd`: the app's health check, as Docker's HEALTHCHECK runs one.
+#[derive(Debug, Clone)]
+pub struct HealthCheck {
+    /// Run by `/bin/sh -c`.
+    pub command: String,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub retries: u32,
+    pub start_period: Duration,
+}
+
+const MIN_HEALTH_INTERVAL: Duration = Duration::from_millis(100);
+const MIN_HEALTH_TIMEOUT: Duration = Duration::from_millis(10);
+
+/// `--health-cmd` and its companions, which mean nothing without it.
+fn health_check(cli: &Cli) -> Result<Option<HealthCheck>, ConfigError> {
+    let Some(command) = cli.health_cmd.clone() else {
+        if cli.health_interval.is_some()
+            || cli.health_timeout.is_some()
+            || cli.health_retries.is_some()
+            || cli.health_start_period.is_some()
+        {
+            return Err(invalid(
+                "--health-interval, --health-timeout, --health-retries and --health-start-period need --health-cmd",
+            ));
+        }
+        return Ok(None);
+    };
+    if command.trim().is_empty() {
+        return Err(invalid("--health-cmd is empty; give a command such as 'curl -fsS http://localhost:8080/health'"));
+    }
+    let check = HealthCheck {
+        command,
+        interval: cli.health_interval.unwrap_or(Duration::from_secs(10)),
+        timeout: cli.health_timeout.unwrap_or(Duration::from_secs(5)),
+        retries: cli.health_retries.unwrap_or(3),
+        start_period: cli.health_start_period.unwrap_or(Duration::ZERO),
+    };
+    at_most("--health-interval", check.interval, DAY)?;
+    at_most("--health-timeout", check.timeout, HOUR)?;
+    at_most("--health-start-period", check.start_period, DAY)?;
+    for (option, value, min) in [
+        ("--health-interval", check.interval, MIN_HEALTH_INTERVAL),
+        ("--health-timeout", check.timeout, MIN_HEALTH_TIMEOUT),
+    ] {
+        if value < min {
+            return Err(invalid(format!(
+                "{option} {} is below its minimum of {}",
+                crate::vocab::show_duration(value),
+                crate::vocab::show_duration(min)
+            )));
+        }
+    }
+    Ok(Some(check))
 }
 
 /// `--every`/`--once-per` and their companions, checked against each other and the backend.

@@ -41,7 +41,7 @@ impl Deadline {
         Deadline::now() + d
     }
 
-    pub fn from_nanos(nanos: u64) -> Deadline {
+    pub const fn from_nanos(nanos: u64) -> Deadline {
         Deadline(nanos)
     }
 

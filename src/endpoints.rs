@@ -107,6 +107,10 @@ fn respond(metrics: &Metrics, request: &Request<Incoming>) -> Response<Full<Byte
             .header(CONTENT_TYPE, metrics::CONTENT_TYPE)
             .body(Full::new(Bytes::from(metrics.render())))
             .expect("static response parts are valid"),
+        "/healthz" if metrics.is_app_unhealthy() => plain(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the app failed its health check --health-retries times in a row; stepping down\n",
+        ),
         "/healthz" if metrics.is_healthy() => plain(StatusCode::OK, "ok\n"),
         "/healthz" => plain(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -9,6 +9,7 @@ mod deadline;
 mod endpoints;
 mod guard;
 mod handoff;
+mod held;
 mod holder;
 mod logging;
 mod manpage;
@@ -103,6 +104,10 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Invocation::Held {
+            min_validity,
+            format,
+        } => ExitCode::from(held::ask(min_validity, format == cli::OutputFormat::Json)),
         Invocation::Man => print_generated(|out| manpage::render(cli::command(), out)),
         Invocation::Completions(shell) => print_generated(|out| {
             // clap_complete panics on a failed write, so it writes to memory first.
@@ -176,7 +181,7 @@ fn with_separator_hint(mut error: clap::Error) -> clap::Error {
             ) =>
         {
             "give the command to guard after `--` (sentinel-guard --url URL --name NAME -- ./app), \
-             or a subcommand: status, man, completions"
+             or a subcommand: status, held, man, completions"
                 .to_owned()
         }
         (Some(value), _) if error.kind() == ErrorKind::UnknownArgument => format!(

@@ -17,7 +17,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
 use crate::deadline::Deadline;
-use crate::vocab::{AppStatus, CheckOutcome, LossReason};
+use crate::vocab::{AppStatus, CheckOutcome, HealthState, LossReason};
 use crate::window::WindowOutcome;
 
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -79,6 +79,16 @@ pub struct Metrics {
     deadline: Arc<Mutex<Option<watch::Receiver<Deadline>>>>,
     /// Only for scheduled runs (`--every`, `--once-per`).
     runs: Option<Runs>,
+    /// Only with `--health-cmd`.
+    health: Option<AppHealth>,
+}
+
+/// What the app's health checks show.
+#[derive(Clone)]
+struct AppHealth {
+    checks_total: Family<Labels, Counter>,
+    healthy: Gauge,
+    unhealthy: Gauge,
 }
 
 /// What became of each window, and how this replica's last run ended.
@@ -96,6 +106,7 @@ impl Metrics {
         unguarded: bool,
         check_timeout: Duration,
         window: Option<Duration>,
+        health_checked: bool,
     ) -> Metrics {
         let labels = [
             (Cow::Borrowed("name"), Cow::Owned(name.to_owned())),
@@ -209,6 +220,29 @@ impl Metrics {
             );
             runs
         });
+        let health = health_checked.then(|| {
+            let health = AppHealth {
+                checks_total: zeroed("outcome", ["passed", "failed"]),
+                healthy: Gauge::default(),
+                unhealthy: Gauge::default(),
+            };
+            registry.register(
+                "health_checks",
+                "--health-cmd runs, by outcome (a timeout is a failure)",
+                health.checks_total.clone(),
+            );
+            registry.register(
+                "app_healthy",
+                "1 while the app's last health check passed",
+                health.healthy.clone(),
+            );
+            registry.register(
+                "app_unhealthy",
+                "1 once --health-retries checks in a row failed: the guard is stepping down",
+                health.unhealthy.clone(),
+            );
+            health
+        });
         registry.register(
             "build",
             "The guard's version",
@@ -225,6 +259,7 @@ impl Metrics {
             app_exits_total,
             deadline: Arc::default(),
             runs,
+            health,
         }
     }
 
@@ -242,6 +277,28 @@ impl Metrics {
             runs.last_end
                 .set(unix_seconds(std::time::SystemTime::now()));
         }
+    }
+
+    /// A health check ended; `state` is the app's health since.
+    pub fn health_check(&self, passed: bool, state: HealthState) {
+        if let Some(health) = &self.health {
+            inc(
+                &health.checks_total,
+                "outcome",
+                if passed { "passed" } else { "failed" },
+            );
+            health.healthy.set(i64::from(state == HealthState::Healthy));
+            health
+                .unhealthy
+                .set(i64::from(state == HealthState::Unhealthy));
+        }
+    }
+
+    /// Whether the app's health checks have made it unhealthy.
+    pub fn is_app_unhealthy(&self) -> bool {
+        self.health
+            .as_ref()
+            .is_some_and(|health| health.unhealthy.get() == 1)
     }
 
     pub fn checks(&self) -> Checks {
@@ -270,6 +327,11 @@ impl Metrics {
 
     pub fn app_started(&self) {
         self.app_running.set(1);
+        // A new app's health is not yet known (after a step-down with --rejoin).
+        if let Some(health) = &self.health {
+            health.healthy.set(0);
+            health.unhealthy.set(0);
+        }
     }
 
     pub fn app_ended(&self, status: Option<AppStatus>) {

@@ -3,7 +3,7 @@
 use crate::config::ExitCodeMap;
 use crate::vocab::{
     AppStatus, EXIT_INTERNAL, EXIT_LOCK_LOST, EXIT_MAX_RUNTIME, EXIT_NOT_EXECUTABLE,
-    EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE,
+    EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_UNHEALTHY, EXIT_USAGE,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,6 +18,9 @@ pub enum Outcome {
     LockLost,
     /// `--max-runtime` expired; the app was stopped.
     MaxRuntime,
+    /// `--health-cmd` failed `--health-retries` times in a row; the app was stopped and the lock
+    /// released.
+    Unhealthy,
     /// The command does not exist.
     NotFound,
     /// The command exists but cannot be executed.
@@ -46,6 +49,7 @@ impl std::fmt::Display for Outcome {
             Outcome::Unavailable => f.write_str("backend unavailable"),
             Outcome::LockLost => f.write_str("lock lost"),
             Outcome::MaxRuntime => f.write_str("max runtime reached"),
+            Outcome::Unhealthy => f.write_str("app unhealthy; stepped down"),
             Outcome::NotFound => f.write_str("command not found"),
             Outcome::NotExecutable => f.write_str("command not executable"),
             Outcome::StoppedBeforeStart => f.write_str("stopped before the app started"),
@@ -66,6 +70,7 @@ impl Outcome {
             Outcome::Unavailable => EXIT_UNAVAILABLE,
             Outcome::LockLost => EXIT_LOCK_LOST,
             Outcome::MaxRuntime => EXIT_MAX_RUNTIME,
+            Outcome::Unhealthy => EXIT_UNHEALTHY,
             Outcome::NotFound => EXIT_NOT_FOUND,
             Outcome::NotExecutable => EXIT_NOT_EXECUTABLE,
             Outcome::Internal => EXIT_INTERNAL,
@@ -99,6 +104,7 @@ mod tests {
         assert_eq!(Outcome::Unavailable.exit_code(1, &map), 69);
         assert_eq!(Outcome::LockLost.exit_code(1, &map), 75);
         assert_eq!(Outcome::MaxRuntime.exit_code(1, &map), 124);
+        assert_eq!(Outcome::Unhealthy.exit_code(1, &map), 76);
         assert_eq!(Outcome::NotExecutable.exit_code(1, &map), 126);
         assert_eq!(Outcome::NotFound.exit_code(1, &map), 127);
         assert_eq!(Outcome::StoppedBeforeStart.exit_code(3, &map), 3);

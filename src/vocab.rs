@@ -12,6 +12,7 @@ pub const EXIT_USAGE: u8 = 2;
 pub const EXIT_UNAVAILABLE: u8 = 69;
 pub const EXIT_INTERNAL: u8 = 70;
 pub const EXIT_LOCK_LOST: u8 = 75;
+pub const EXIT_UNHEALTHY: u8 = 76;
 pub const EXIT_MAX_RUNTIME: u8 = 124;
 pub const EXIT_NOT_EXECUTABLE: u8 = 126;
 pub const EXIT_NOT_FOUND: u8 = 127;
@@ -58,6 +59,7 @@ pub const ENV_HOLDER_ID: &str = "SENTINEL_GUARD_HOLDER_ID";
 pub const ENV_FENCING_TOKEN: &str = "SENTINEL_GUARD_FENCING_TOKEN";
 pub const ENV_WINDOW: &str = "SENTINEL_GUARD_WINDOW";
 pub const ENV_WINDOW_START: &str = "SENTINEL_GUARD_WINDOW_START";
+pub const ENV_SOCKET: &str = "SENTINEL_GUARD_SOCKET";
 
 /// What each exit code means, in the words `--help` and the man page print (README.md's table says
 /// the same at length; a test holds the three together). The codes besides the app's own are the
@@ -88,6 +90,11 @@ pub const EXIT_STATUS: &[(&str, &str)] = &[
         "75",
         "the lock was lost; the app was stopped (or never started)",
     ),
+    (
+        "76",
+        "--health-cmd failed --health-retries times in a row; the app was stopped and the lock \
+         released",
+    ),
     ("124", "--max-runtime expired; the app was stopped"),
     ("126", "the command cannot be executed"),
     (
@@ -95,6 +102,29 @@ pub const EXIT_STATUS: &[(&str, &str)] = &[
         "the command (or its #! interpreter) is not found",
     ),
 ];
+
+/// `--health-cmd`: what its checks have shown of the app, in logs (`state=...`) and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HealthState {
+    /// No check has passed yet, and failures in the start period are not counted.
+    Starting,
+    Healthy,
+    /// Some failures in a row, fewer than `--health-retries`.
+    Failing,
+    /// `--health-retries` failures in a row: the guard steps down.
+    Unhealthy,
+}
+
+impl HealthState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HealthState::Starting => "starting",
+            HealthState::Healthy => "healthy",
+            HealthState::Failing => "failing",
+            HealthState::Unhealthy => "unhealthy",
+        }
+    }
+}
 
 /// `checks_total{outcome}`: how one ownership check (MySQL query, Redis renewal, lock file stat) ended.
 #[derive(Debug, Clone, Copy)]

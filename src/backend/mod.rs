@@ -490,11 +490,15 @@ impl HeldLock {
 
     /// What the app learns about this acquisition beyond name, backend and holder id.
     pub fn app_env(&self) -> Vec<(&'static str, String)> {
-        self.0
-            .fencing_token()
+        self.fencing_token()
             .map(|token| (ENV_FENCING_TOKEN, token))
             .into_iter()
             .collect()
+    }
+
+    /// This acquisition's fencing token, where the backend keeps one.
+    pub fn fencing_token(&self) -> Option<String> {
+        self.0.fencing_token()
     }
 
     /// Whether the lock is already known to be lost, without waiting: checked right before the app

@@ -16,14 +16,16 @@ use crate::config::{Config, TakeoverDelay, Target, Wait};
 use crate::deadline::{self, Deadline};
 use crate::endpoints::Endpoints;
 use crate::handoff::TreeGone;
+use crate::held::{HeldSocket, Vouching};
 use crate::holder::Holder;
 use crate::metrics::{AcquireOutcome, Checks, Metrics};
 use crate::notify;
 use crate::outcome::Outcome;
 use crate::record::Previous;
 use crate::supervisor::{self, ends_wait, ParentWatch, SignalEvents, SpawnError};
-use crate::vocab::{signal_name, CheckOutcome};
+use crate::vocab::{signal_name, CheckOutcome, ENV_SOCKET};
 
+mod health;
 mod schedule;
 mod supervise;
 
@@ -61,7 +63,20 @@ pub async fn run(config: &Config, endpoints: Option<Endpoints>, parent: Pid) -> 
         config.target.is_none(),
         config.timings.check_timeout,
         config.schedule.map(|s| s.period),
+        config.health.is_some(),
     );
+    let vouching = Vouching::new(config.name.as_str(), backend, &holder.id);
+    // Removed, with its directory, when the guard returns.
+    let socket = span.in_scope(|| {
+        HeldSocket::bind()
+            .and_then(|mut socket| socket.serve(vouching.clone()).map(|()| socket))
+            .map_err(|e| {
+                error!(event = "setup_failed", error = %e, "cannot make the app's socket ({ENV_SOCKET})");
+            })
+    });
+    let Ok(socket) = socket else {
+        return Outcome::Internal;
+    };
     let guard = Guard {
         config,
         holder: &holder,
@@ -71,6 +86,8 @@ pub async fn run(config: &Config, endpoints: Option<Endpoints>, parent: Pid) -> 
             metrics: metrics.clone(),
         }),
         metrics,
+        vouching,
+        app_socket: socket.path(),
         stop_requested: Cell::new(false),
     };
     let outcome = guard.run(endpoints, parent).instrument(span.clone()).await;
@@ -83,6 +100,7 @@ pub async fn run(config: &Config, endpoints: Option<Endpoints>, parent: Pid) -> 
             "guard exiting"
         );
     });
+    drop(socket);
     outcome
 }
 
@@ -113,6 +131,10 @@ struct Guard<'a> {
     metrics: Metrics,
     /// What the lock layer reports, turned into metrics and the service manager's status.
     observer: Arc<dyn backend::Observer>,
+    /// The socket the app is told of, which `vouching` answers on.
+    app_socket: std::path::PathBuf,
+    /// What the app's socket answers: whether the lock is held, and for how long it is promised.
+    vouching: Vouching,
     /// A signal asked the guard to stop while an app ran: a scheduler starts no further run.
     stop_requested: Cell<bool>,
 }
@@ -202,6 +224,14 @@ impl Guard<'_> {
             match finished {
                 Finished::LockLost(gone) if self.config.rejoin => {
                     self.rejoin(gone);
+                    rejoining = true;
+                }
+                Finished::SteppedDown if self.config.rejoin => {
+                    info!(
+                        event = "rejoining",
+                        "stepped down after the app was unhealthy; waiting for the lock again as a standby (--rejoin)"
+                    );
+                    notify::status("stepped down; waiting for the lock again as a standby");
                     rejoining = true;
                 }
                 finished => return finished.outcome(),
@@ -387,6 +417,9 @@ enum Finished {
     /// The lock was lost and no app of this acquisition is alive: exit 75, or with `--rejoin` wait
     /// for the lock again.
     LockLost(AppGone),
+    /// The app was unhealthy: it was stopped and the lock released; exit 76, or with `--rejoin`
+    /// wait for the lock again.
+    SteppedDown,
 }
 
 impl Finished {
@@ -394,6 +427,7 @@ impl Finished {
         match self {
             Finished::Exit(outcome) => outcome,
             Finished::LockLost(_) => Outcome::LockLost,
+            Finished::SteppedDown => Outcome::Unhealthy,
         }
     }
 }

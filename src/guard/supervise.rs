@@ -13,11 +13,12 @@ use crate::notify;
 use crate::outcome::Outcome;
 use crate::supervisor::{is_shutdown, AppEnv, Event, SignalEvents, StartError, Supervisor};
 use crate::vocab::{
-    signal_name, AppStatus, LossReason, ENV_BACKEND, ENV_HOLDER_ID, ENV_NAME, ENV_WINDOW,
-    ENV_WINDOW_START,
+    signal_name, AppStatus, HealthState, LossReason, ENV_BACKEND, ENV_HOLDER_ID, ENV_NAME,
+    ENV_SOCKET, ENV_WINDOW, ENV_WINDOW_START,
 };
 use crate::window::RunExit;
 
+use super::health::{CheckEnd, Health};
 use super::{at, command_outcome, lost, next_deadline, AppGone, Finished, Guard, HIDDEN_FROM_APP};
 
 impl Guard<'_> {
@@ -34,6 +35,7 @@ impl Guard<'_> {
             (ENV_NAME, config.name.to_string()),
             (ENV_BACKEND, self.backend.to_owned()),
             (ENV_HOLDER_ID, self.holder.id.clone()),
+            (ENV_SOCKET, self.app_socket.display().to_string()),
         ];
         set.extend(held.iter().flat_map(HeldLock::app_env));
         if let Some(run) = window {
@@ -62,6 +64,15 @@ impl Guard<'_> {
             error!(event = "lock_lost", reason = %loss.reason, detail = %loss.detail, "lock lost before the app was started; the app was not started");
             return Finished::LockLost(AppGone::NeverStarted);
         }
+        // Said before the app can ask: it is told "held" from its first question on.
+        match &held {
+            Some(lock) => self.vouching.held(
+                lock.fencing_token(),
+                lock.app_deadline(),
+                config.timings.grace_period,
+            ),
+            None => self.vouching.unguarded(),
+        }
         let started = {
             let farewell = match &held {
                 Some(lock) => lock.farewell(),
@@ -77,6 +88,9 @@ impl Guard<'_> {
             )
             .await
         };
+        if started.is_err() {
+            self.vouching.not_held("the app was not started");
+        }
         let mut app = match started {
             Ok(app) => app,
             Err(StartError::DeadlinePassed) => {
@@ -131,7 +145,13 @@ impl Guard<'_> {
             });
             let max_runtime_at = config.max_runtime.map(Deadline::after);
             let mut kill_at: Option<Deadline> = None;
+            let mut health = config
+                .health
+                .as_ref()
+                .map(|check| Health::new(check, Deadline::now()));
             let ending = loop {
+                let next_check = health.as_ref().and_then(Health::next_check);
+                let check_kill_at = health.as_ref().and_then(Health::kill_at);
                 tokio::select! {
                     // The lock's deadline first: after a freeze, a passed deadline is acted on before any
                     // later one, or any other event, is read.
@@ -147,16 +167,25 @@ impl Guard<'_> {
                             warn!(event = "timer_failed", error = %e, "cannot re-arm the lock's deadline timer");
                         }
                     }
-                    event = app.next_event() => break match event {
-                        Event::AppExited(status) => Ending::AppExited(status),
-                        Event::WatchdogEnded { acted: true } => Ending::Lost(LockLoss {
+                    event = app.next_event() => match event {
+                        Event::AppExited(status) => break Ending::AppExited(status),
+                        Event::WatchdogEnded { acted: true } => break Ending::Lost(LockLoss {
                             reason: LossReason::GuardFrozen,
                             detail: "the watchdog stopped the app while the guard was unresponsive".to_owned(),
                         }),
-                        Event::WatchdogEnded { acted: false } => Ending::Lost(LockLoss {
+                        Event::WatchdogEnded { acted: false } => break Ending::Lost(LockLoss {
                             reason: LossReason::WatchdogDied,
                             detail: "the watchdog process exited; the app may not run without it".to_owned(),
                         }),
+                        Event::ProbeEnded(status) => {
+                            if let Some(health) = health.as_mut() {
+                                let end = if status == AppStatus::Exited(0) { CheckEnd::Passed } else { CheckEnd::Failed };
+                                let change = health.ended(end, Deadline::now());
+                                if self.health_said(health, change, end, &status.to_string()) {
+                                    break Ending::Unhealthy;
+                                }
+                            }
+                        }
                     },
                     loss = lost(&mut held) => break Ending::Lost(loss),
                     signal = signals.next() => {
@@ -173,6 +202,29 @@ impl Guard<'_> {
                         kill_at = None;
                     }
                     () = at(max_runtime_at) => break Ending::MaxRuntime,
+                    () = at(next_check), if kill_at.is_none() => {
+                        let (Some(health), Some(check)) = (health.as_mut(), config.health.as_ref()) else { continue };
+                        let now = Deadline::now();
+                        match app.start_probe(&check.command, &env) {
+                            Ok(_) => health.started(now),
+                            Err(e) => {
+                                let change = health.ended(CheckEnd::Failed, now);
+                                if self.health_said(health, change, CheckEnd::Failed, &format!("could not start: {e}")) {
+                                    break Ending::Unhealthy;
+                                }
+                            }
+                        }
+                    }
+                    () = at(check_kill_at) => {
+                        let Some(health) = health.as_mut() else { continue };
+                        // Kill first, count after.
+                        app.kill_probe();
+                        let change = health.timed_out(Deadline::now());
+                        let how = format!("still running after {}; killed", crate::vocab::show_duration(health.timeout()));
+                        if self.health_said(health, change, CheckEnd::TimedOut, &how) {
+                            break Ending::Unhealthy;
+                        }
+                    }
                 }
             };
             let last_deadline = lock_deadline(&app_deadline);
@@ -208,6 +260,12 @@ impl Guard<'_> {
             }
             _ => (config.stop_signal, grace_ends.min(lock_deadline)),
         };
+        // Before the first signal: an app that asks from here on is told the lock is not held.
+        self.vouching.not_held(match &ending {
+            Ending::Lost(loss) => format!("the lock was lost ({})", loss.reason),
+            Ending::Unhealthy => "the app is unhealthy; the guard is stepping down".to_owned(),
+            Ending::AppExited(_) | Ending::MaxRuntime => "the app is being stopped".to_owned(),
+        });
         // Counted before teardown, so /leader turns 503 the moment the lock is gone or the app ends.
         match &ending {
             Ending::Lost(loss) => {
@@ -217,7 +275,7 @@ impl Guard<'_> {
                 }
             }
             Ending::AppExited(status) => self.metrics.app_ended(Some(*status)),
-            Ending::MaxRuntime => {}
+            Ending::MaxRuntime | Ending::Unhealthy => {}
         }
         // Still ours unless lost: after a watchdog that died, the app may not run without it, but
         // the lock holds.
@@ -255,6 +313,7 @@ impl Guard<'_> {
         let outcome = match &ending {
             Ending::AppExited(status) => Outcome::AppExited(*status),
             Ending::MaxRuntime => Outcome::MaxRuntime,
+            Ending::Unhealthy => Outcome::Unhealthy,
             Ending::Lost(_) => Outcome::LockLost,
         };
         if still_ours {
@@ -281,7 +340,57 @@ impl Guard<'_> {
         }
         match outcome {
             Outcome::LockLost => Finished::LockLost(AppGone::Stopped),
+            Outcome::Unhealthy => Finished::SteppedDown,
             outcome => outcome.into(),
+        }
+    }
+
+    /// Logs a change of the app's health (one line per change) and updates the metrics; whether
+    /// the app is now unhealthy, and the guard must step down. `how` says how the check ended.
+    fn health_said(
+        &self,
+        health: &Health<'_>,
+        change: Option<HealthState>,
+        end: CheckEnd,
+        how: &str,
+    ) -> bool {
+        self.metrics
+            .health_check(end == CheckEnd::Passed, health.state());
+        let (failures, retries) = (health.failures(), health.retries());
+        match change {
+            None => {
+                tracing::debug!(
+                    event = "health_check",
+                    check = how,
+                    failures,
+                    "health check ended"
+                );
+                false
+            }
+            Some(HealthState::Unhealthy) => {
+                error!(event = "app_health", state = HealthState::Unhealthy.as_str(), check = how, failures, retries, "the app's health check failed too many times in a row; stopping the app and releasing the lock");
+                true
+            }
+            Some(state @ (HealthState::Healthy | HealthState::Starting)) => {
+                info!(
+                    event = "app_health",
+                    state = state.as_str(),
+                    check = how,
+                    "the app's health check passed"
+                );
+                false
+            }
+            Some(state @ HealthState::Failing) => {
+                warn!(
+                    event = "app_health",
+                    state = state.as_str(),
+                    check = how,
+                    failures,
+                    retries,
+                    "the app's health check failed"
+                );
+                false
+            }
         }
     }
 }
@@ -305,6 +414,9 @@ fn announce(ending: &Ending, config: &Config) {
             info!(event = "app_exited", %status, "app ended");
             notify::stopping(&format!("app {status}; stopping"));
         }
+        Ending::Unhealthy => {
+            notify::stopping("stopping the app: it is unhealthy; the lock will be released");
+        }
         Ending::MaxRuntime => {
             warn!(
                 event = "max_runtime",
@@ -321,4 +433,7 @@ pub(super) enum Ending {
     AppExited(AppStatus),
     Lost(LockLoss),
     MaxRuntime,
+    /// `--health-cmd` failed `--health-retries` times in a row: the lock is still ours, and is
+    /// released once the app's tree is gone.
+    Unhealthy,
 }

@@ -3,6 +3,7 @@
 mod cgroup;
 mod pause;
 mod pidfd;
+mod probe;
 mod reaper;
 mod signals;
 mod spawn;
@@ -52,6 +53,8 @@ pub enum Event {
     WatchdogEnded {
         acted: bool,
     },
+    /// The health check started by `start_probe` ended.
+    ProbeEnded(AppStatus),
 }
 
 /// A finished teardown.
@@ -72,6 +75,8 @@ pub struct Supervisor {
     watchdog_reported: bool,
     /// Every process the app forks, `setsid` or not; none where no cgroup can be made.
     cgroup: Option<AppCgroup>,
+    /// The way into `cgroup`, for health checks.
+    entry: Option<cgroup::Entry>,
 }
 
 impl Supervisor {
@@ -161,6 +166,7 @@ impl Supervisor {
             watchdog,
             watchdog_reported: false,
             cgroup,
+            entry,
         })
     }
 
@@ -196,7 +202,24 @@ impl Supervisor {
             if let Some(status) = self.reaper.app_status() {
                 return Event::AppExited(status);
             }
+            if let Some(status) = self.reaper.take_probe_status() {
+                return Event::ProbeEnded(status);
+            }
             self.reaper.child_event(REAP_TICK).await;
+        }
+    }
+
+    /// Starts a health check, whose end `next_event` reports. Only one runs at a time.
+    pub fn start_probe(&mut self, command: &str, env: &AppEnv<'_>) -> std::io::Result<Pid> {
+        let pid = probe::spawn(command, env, self.entry.as_ref())?;
+        self.reaper.track_probe(pid);
+        Ok(pid)
+    }
+
+    /// SIGKILL to the running health check's group; its end is still reported.
+    pub fn kill_probe(&self) {
+        if let Some(probe) = self.reaper.probe() {
+            let _ = killpg(probe, Signal::SIGKILL);
         }
     }
 

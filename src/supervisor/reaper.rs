@@ -20,6 +20,9 @@ pub struct Reaper {
     app_status: Option<AppStatus>,
     watchdog: Option<Pid>,
     watchdog_status: Option<AppStatus>,
+    /// The health check running, and how the last one ended until it is taken.
+    probe: Option<Pid>,
+    probe_status: Option<AppStatus>,
 }
 
 impl Reaper {
@@ -31,6 +34,8 @@ impl Reaper {
             app_status: None,
             watchdog: None,
             watchdog_status: None,
+            probe: None,
+            probe_status: None,
         })
     }
 
@@ -40,6 +45,21 @@ impl Reaper {
 
     pub fn track_watchdog(&mut self, watchdog: Pid) {
         self.watchdog = Some(watchdog);
+    }
+
+    pub fn track_probe(&mut self, probe: Pid) {
+        self.probe = Some(probe);
+        self.probe_status = None;
+    }
+
+    /// The running health check, unreaped: its pid, and group id, are still its own.
+    pub fn probe(&self) -> Option<Pid> {
+        self.probe
+    }
+
+    /// How the last health check ended, once.
+    pub fn take_probe_status(&mut self) -> Option<AppStatus> {
+        self.probe_status.take()
     }
 
     pub fn app_status(&self) -> Option<AppStatus> {
@@ -52,7 +72,7 @@ impl Reaper {
 
     /// Reaps every child that has ended but the app, notes whether the app has ended, and returns the
     /// children still alive other than the app and the watchdog: what is left of the app's tree
-    /// besides the app itself. An error when the guard's children cannot be read: what is left is
+    /// besides the app itself (a health check running counts, and is stopped with it). An error when the guard's children cannot be read: what is left is
     /// then unknown, which is never "nothing".
     pub fn reap(&mut self) -> io::Result<Vec<Pid>> {
         // The app first: its children are handed to the guard in the same step that makes it a
@@ -67,11 +87,16 @@ impl Reaper {
                 continue;
             }
             let is_watchdog = Some(child) == self.watchdog;
+            let is_probe = Some(child) == self.probe;
             match wait(child, libc::WNOHANG) {
                 Some(status) if is_watchdog => {
                     self.watchdog_status = Some(status);
                     // Reaped: its pid is free for any process now, which must not be mistaken for it.
                     self.watchdog = None;
+                }
+                Some(status) if is_probe => {
+                    self.probe_status = Some(status);
+                    self.probe = None;
                 }
                 Some(status) => debug!(pid = child.as_raw(), %status, "reaped descendant"),
                 None if is_watchdog => {}
