@@ -17,11 +17,14 @@ use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
+use crate::backend::{HeldLock, LockLoss};
 use crate::deadline::Deadline;
-use crate::vocab::{show_duration, ENV_SOCKET, EXIT_LOCK_LOST, EXIT_USAGE};
+use crate::vocab::{show_duration, ENV_FENCING_TOKEN, ENV_SOCKET, EXIT_LOCK_LOST, EXIT_USAGE};
 
 /// The socket's name inside the guard's private directory.
 const SOCKET_FILE: &str = "held.sock";
+/// The longest path a Unix socket address holds (`sun_path`, less its final NUL).
+const MAX_SOCKET_PATH: usize = 107;
 /// How long `held` waits for the guard's answer; the guard answers as it accepts.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(2);
 /// The longest answer `held` reads; the guard's is a few hundred bytes.
@@ -43,10 +46,12 @@ enum State {
     NotHeld(String),
     /// An acquisition's app runs: the deadline the lock layer keeps moving, and the grace period
     /// that the guard takes off it (the app must be dead by that deadline, so the lock is promised
-    /// only until its grace period starts).
+    /// only until its grace period starts); and where the lock's own task reports a loss, read at
+    /// each answer, since the guard may not have acted on a report yet.
     Held {
         fencing_token: Option<String>,
         dead_by: Option<watch::Receiver<Deadline>>,
+        lost: Option<watch::Receiver<Option<LockLoss>>>,
         grace: Duration,
     },
     /// `SINGLE_INSTANCE_GUARD=false`: no lock at all, which the answer says.
@@ -70,16 +75,12 @@ impl Vouching {
         *self.state.lock().unwrap_or_else(|e| e.into_inner()) = state;
     }
 
-    /// An acquisition's app is about to start.
-    pub fn held(
-        &self,
-        fencing_token: Option<String>,
-        dead_by: Option<watch::Receiver<Deadline>>,
-        grace: Duration,
-    ) {
+    /// The app of `lock`'s acquisition is about to start.
+    pub fn held(&self, lock: &HeldLock, grace: Duration) {
         self.set(State::Held {
-            fencing_token,
-            dead_by,
+            fencing_token: lock.fencing_token(),
+            dead_by: lock.app_deadline(),
+            lost: lock.loss_reports(),
             grace,
         });
     }
@@ -100,12 +101,19 @@ impl Vouching {
     fn answer(&self) -> String {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let State::Held {
-            dead_by: Some(dead_by),
+            dead_by,
+            lost,
             grace,
             ..
         } = &*state
         {
-            if dead_by.borrow().minus(*grace).has_passed() {
+            let reported = lost.as_ref().and_then(|rx| rx.borrow().clone());
+            let expired = dead_by
+                .as_ref()
+                .is_some_and(|rx| rx.borrow().minus(*grace).has_passed());
+            if let Some(loss) = reported {
+                *state = State::NotHeld(format!("the lock was lost ({})", loss.reason));
+            } else if expired {
                 *state = State::NotHeld(
                     "the lock's deadline passed without proof of ownership".to_owned(),
                 );
@@ -117,6 +125,7 @@ impl Vouching {
                 fencing_token,
                 dead_by,
                 grace,
+                ..
             } => {
                 let valid_for_ms = dead_by
                     .as_ref()
@@ -142,46 +151,57 @@ pub struct HeldSocket {
 }
 
 impl HeldSocket {
-    /// Makes a directory only the guard's user can enter, in `$XDG_RUNTIME_DIR` or else the temporary
-    /// directory, and binds the socket in it. The directory's name is random and made with
-    /// `O_EXCL` semantics (mkdir fails on an existing name), so no one can prepare it in advance.
-    pub fn bind() -> io::Result<HeldSocket> {
-        let base = std::env::var_os("XDG_RUNTIME_DIR")
-            .map(PathBuf::from)
-            .filter(|dir| dir.is_absolute() && dir.is_dir())
-            .unwrap_or_else(std::env::temp_dir);
-        let dir = loop {
-            let dir = base.join(format!(
-                "sentinel-guard-{}-{:016x}",
-                std::process::id(),
-                rand::random::<u64>()
-            ));
-            match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
-                Ok(()) => break dir,
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-                Err(e) => {
-                    return Err(io::Error::new(
-                        e.kind(),
-                        format!("cannot make {}: {e}", dir.display()),
-                    ))
-                }
+    /// Makes a directory only the guard's user can enter and binds the socket in it, in the first
+    /// of `$XDG_RUNTIME_DIR`, `$TMPDIR` and `/tmp` that is an absolute directory where that works
+    /// (a read-only root, a path too long for a socket address). The directory's name is random and
+    /// mkdir fails on an existing name, so no one can prepare it in advance. Every place tried and
+    /// why it failed, when none works.
+    pub fn bind() -> Result<HeldSocket, String> {
+        let mut tried = Vec::new();
+        let bases = ["XDG_RUNTIME_DIR", "TMPDIR"]
+            .into_iter()
+            .filter_map(|var| std::env::var_os(var).map(PathBuf::from))
+            .chain(std::iter::once(PathBuf::from("/tmp")));
+        for base in bases {
+            if !base.is_absolute() || !base.is_dir() {
+                tried.push(format!("{}: not an absolute directory", base.display()));
+                continue;
             }
-        };
-        // The umask may have narrowed the mode, never widened it; set it exactly.
+            match HeldSocket::bind_in(&base) {
+                Ok(socket) => return Ok(socket),
+                Err(e) => tried.push(e.to_string()),
+            }
+        }
+        Err(tried.join("; "))
+    }
+
+    fn bind_in(base: &Path) -> io::Result<HeldSocket> {
+        let dir = base.join(format!(
+            "sentinel-guard-{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        let path = dir.join(SOCKET_FILE);
+        if path.as_os_str().len() > MAX_SOCKET_PATH {
+            return Err(io::Error::other(format!(
+                "{}: longer than a socket address can be",
+                path.display()
+            )));
+        }
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", dir.display())))?;
+        // Removed again by its drop should anything below fail.
         let mut socket = HeldSocket {
             dir,
             listener: None,
         };
+        // The umask may have narrowed the mode, never widened it; set it exactly.
         std::fs::set_permissions(&socket.dir, std::fs::Permissions::from_mode(0o700))?;
-        let path = socket.path();
         let listener = std::os::unix::net::UnixListener::bind(&path)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
-            .map_err(|e| {
-                io::Error::new(
-                    e.kind(),
-                    format!("cannot listen on {}: {e}", path.display()),
-                )
-            })?;
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
         socket.listener = Some(listener);
         Ok(socket)
     }
@@ -245,17 +265,28 @@ pub fn ask(min_validity: Duration, json_output: bool) -> u8 {
     };
     let Ok(answer) = serde_json::from_str::<serde_json::Value>(&line) else {
         eprintln!(
-            "sentinel-guard held: the answer at {} is not the guard's: {line:?}",
+            "sentinel-guard held: what answers at {} is not a guard",
             path.display()
         );
         return EXIT_USAGE;
     };
     let held = answer["held"].as_bool() == Some(true);
     let valid_for = answer["valid_for_ms"].as_u64().map(Duration::from_millis);
+    // A process started under an earlier acquisition (with --rejoin) is not the app of this one.
+    let own_token = std::env::var(ENV_FENCING_TOKEN).ok();
+    let other_acquisition = match (&own_token, answer["fencing_token"].as_str()) {
+        (Some(own), Some(now)) => own != now,
+        _ => false,
+    };
     let verdict = match (held, valid_for) {
         (false, _) => Err(format!(
             "not held: {}",
             answer["reason"].as_str().unwrap_or("no reason given")
+        )),
+        (true, _) if other_acquisition => Err(format!(
+            "held, but by a later acquisition (fencing token {}) than the one this process was started under ({})",
+            answer["fencing_token"].as_str().unwrap_or_default(),
+            own_token.unwrap_or_default()
         )),
         (true, Some(valid_for)) if valid_for < min_validity => Err(format!(
             "held, but promised for {} only, less than --min-validity {}",

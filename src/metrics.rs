@@ -327,15 +327,15 @@ impl Metrics {
 
     pub fn app_started(&self) {
         self.app_running.set(1);
-        // A new app's health is not yet known (after a step-down with --rejoin).
-        if let Some(health) = &self.health {
-            health.healthy.set(0);
-            health.unhealthy.set(0);
-        }
     }
 
     pub fn app_ended(&self, status: Option<AppStatus>) {
         self.app_running.set(0);
+        // No app, no health to report: a guard that stepped down and waits again is not unhealthy.
+        if let Some(health) = &self.health {
+            health.healthy.set(0);
+            health.unhealthy.set(0);
+        }
         let kind = match status {
             Some(AppStatus::Exited(_)) => "exit",
             Some(AppStatus::Signaled(_)) => "signal",

@@ -32,7 +32,9 @@ signal.signal(signal.SIGTERM, term)
 with open(out, "a", buffering=1) as f:
     while until[0] is None or time.monotonic() < until[0]:
         rc = subprocess.call([guard, "held"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        f.write(f"{time.monotonic()} {rc}\n")
+        # The stop signal goes to the app's whole group: a question it cut short has no answer.
+        if rc >= 0:
+            f.write(f"{time.monotonic()} {rc}\n")
         open(ready, "w").close()
         time.sleep(0.02)
 "#;
@@ -78,10 +80,15 @@ fn held_answers_inside_the_app_in_text_and_json_and_refuses_more_validity_than_a
         serde_json::from_str(&fs::read_to_string(lab.path("answers.json")).unwrap()).unwrap();
     assert_eq!(json["held"], true, "{json}");
     assert_eq!(json["name"], "asks", "{json}");
-    let token = json["fencing_token"].as_str().expect("a Redis lock has a token");
+    let token = json["fencing_token"]
+        .as_str()
+        .expect("a Redis lock has a token");
     assert!(token.parse::<u64>().is_ok(), "{json}");
     let valid = json["valid_for_ms"].as_u64().expect("a lease has a bound");
-    assert!(valid > 0 && valid < 2000, "a 3s lease less 1s grace: {json}");
+    assert!(
+        valid > 0 && valid < 2000,
+        "a 3s lease less 1s grace: {json}"
+    );
     let err = fs::read_to_string(lab.path("answers.err")).unwrap();
     assert!(err.contains("less than --min-validity 3s"), "{err}");
 }
@@ -107,7 +114,12 @@ fn held_turns_not_held_within_a_check_of_a_kill_and_never_back() {
         "KILL {}",
         db.holder_of("asks").expect("the guard holds the lock")
     ));
-    assert_eq!(guard.code(Duration::from_secs(20)), 75, "{}", guard.log_text());
+    assert_eq!(
+        guard.code(Duration::from_secs(20)),
+        75,
+        "{}",
+        guard.log_text()
+    );
     let answers: Vec<(f64, i32)> = fs::read_to_string(&out)
         .unwrap()
         .lines()
@@ -117,7 +129,9 @@ fn held_turns_not_held_within_a_check_of_a_kill_and_never_back() {
         })
         .collect();
     assert!(
-        answers.iter().any(|(at, code)| *at < killed_at && *code == 0),
+        answers
+            .iter()
+            .any(|(at, code)| *at < killed_at && *code == 0),
         "held before the KILL: {answers:?}"
     );
     let first_no = answers
@@ -272,9 +286,17 @@ fn an_unhealthy_app_steps_down_exits_76_and_the_standby_takes_over_after_it_ende
         leader.log_text()
     );
     fs::remove_file(&healthy).unwrap();
-    assert_eq!(leader.code(Duration::from_secs(20)), 76, "{}", leader.log_text());
+    assert_eq!(
+        leader.code(Duration::from_secs(20)),
+        76,
+        "{}",
+        leader.log_text()
+    );
     let log = leader.log_text();
-    assert!(log.contains("state=\"failing\"") && log.contains("state=\"unhealthy\""), "{log}");
+    assert!(
+        log.contains("state=\"failing\"") && log.contains("state=\"unhealthy\""),
+        "{log}"
+    );
     read_pid(&standby_pid, Duration::from_secs(10));
     assert!(
         !standby.log_text().contains("takeover_delayed"),
@@ -282,7 +304,12 @@ fn an_unhealthy_app_steps_down_exits_76_and_the_standby_takes_over_after_it_ende
         standby.log_text()
     );
     standby.signal(15);
-    assert_eq!(standby.code(Duration::from_secs(20)), 0, "{}", standby.log_text());
+    assert_eq!(
+        standby.code(Duration::from_secs(20)),
+        0,
+        "{}",
+        standby.log_text()
+    );
     assert_eq!(assert_no_overlap(&trace), 2);
 }
 
@@ -327,4 +354,89 @@ fn a_hanging_health_check_fails_at_its_timeout_and_is_killed_with_what_it_starte
     for shell in shells {
         assert!(!common::alive(shell), "check {shell} still alive");
     }
+}
+
+#[test]
+fn a_stop_asked_for_during_a_check_is_never_turned_into_a_step_down() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("stop.lock");
+    let trace = lab.path("trace");
+    let pidfile = lab.path("pid");
+    // A check that is running when SIGTERM comes, and would fail: with --rejoin a step-down would
+    // take the lock again and start a second app.
+    let args = fast_with(&[
+        "--wait",
+        "--rejoin",
+        "--health-cmd",
+        "sleep 1; false",
+        "--health-interval",
+        "100ms",
+        "--health-retries",
+        "1",
+    ]);
+    let mut all = vec!["--url", url.as_str(), "--name", "stop"];
+    all.extend(args);
+    // It takes 1.5s to stop, long enough for the check to fail meanwhile.
+    let app = format!(
+        "trap 'sleep 1.5; echo stop $$ >> {t}; exit 0' TERM; echo start $$ >> {t}; \
+         echo $$ > {p}; while :; do sleep 0.05; done",
+        t = trace.display(),
+        p = pidfile.display()
+    );
+    let mut guard = lab.spawn(&all, &["sh", "-c", &app]);
+    read_pid(&pidfile, Duration::from_secs(10));
+    // The first check has started (100ms after the app) and runs for a second.
+    std::thread::sleep(Duration::from_millis(400));
+    guard.signal(15);
+    assert_eq!(
+        guard.code(Duration::from_secs(10)),
+        0,
+        "{}",
+        guard.log_text()
+    );
+    let log = guard.log_text();
+    assert_eq!(log.matches("event=\"app_started\"").count(), 1, "{log}");
+    assert!(
+        !log.contains("unhealthy") && !log.contains("rejoining"),
+        "{log}"
+    );
+    assert_eq!(assert_no_overlap(&trace), 1);
+}
+
+#[test]
+fn the_health_settings_and_an_inherited_socket_stay_out_of_the_app_and_no_socket_is_no_failure() {
+    let mut lab = Lab::new();
+    // Outside /tmp, which the guard will find read-only.
+    let outside = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let url = format!("file://{}/env.lock", outside.path().display());
+    let out = outside.path().join("env");
+    let script = format!(
+        "env | grep -E '^SENTINEL_GUARD_(HEALTH|SOCKET)' > {o}; {g} held; echo \"held $?\" >> {o}",
+        o = out.display(),
+        g = GUARD
+    );
+    // /tmp read-only, and neither XDG_RUNTIME_DIR nor TMPDIR usable: the guard has nowhere for its
+    // socket, says so, and runs the app without one (and without the socket it inherited).
+    let inner = "mount -t tmpfs -o ro tmpfs /tmp && exec \"$0\" \"$@\"";
+    let mut cmd = lab.command(&["--url", &url, "--name", "env"], &["sh", "-c", &script]);
+    cmd.env("SENTINEL_GUARD_HEALTH_CMD", "true")
+        .env("SENTINEL_GUARD_HEALTH_INTERVAL", "1h")
+        .env("SENTINEL_GUARD_SOCKET", "/run/some-other-guard/held.sock")
+        .env("XDG_RUNTIME_DIR", "relative/dir")
+        .env("TMPDIR", "/nonexistent");
+    let cmd = common::launched_by(&cmd, "unshare", &["--mount", "sh", "-c", inner]);
+    let mut guard = lab.start(cmd);
+    assert_eq!(
+        guard.code(Duration::from_secs(20)),
+        0,
+        "{}",
+        guard.log_text()
+    );
+    let log = guard.log_text();
+    assert!(log.contains("event=\"held_socket_unavailable\""), "{log}");
+    assert!(
+        log.contains("relative/dir: not an absolute directory"),
+        "{log}"
+    );
+    assert_eq!(fs::read_to_string(&out).unwrap(), "held 2\n", "{log}");
 }

@@ -525,8 +525,8 @@ impl Held for EtcdLock {
         }
     }
 
-    fn reported_loss(&self) -> Option<LockLoss> {
-        self.watched.reported_loss()
+    fn loss_reports(&self) -> Option<tokio::sync::watch::Receiver<Option<LockLoss>>> {
+        Some(self.watched.loss_reports())
     }
 
     async fn lost(&mut self) -> LockLoss {

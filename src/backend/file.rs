@@ -725,7 +725,9 @@ impl Held for FileLock {
         }
     }
 
-    fn reported_loss(&self) -> Option<LockLoss> {
+    /// None: a file lock's loss is found by the guard's own poll of `lost`, which acts on it before
+    /// it yields to anything else.
+    fn loss_reports(&self) -> Option<tokio::sync::watch::Receiver<Option<LockLoss>>> {
         None
     }
 

@@ -434,8 +434,9 @@ pub trait Held: WindowStore {
     /// What the watchdog does for this lock if the guard dies holding it, once the app is gone.
     fn farewell(&self) -> Farewell<'_>;
 
-    /// The loss already reported, without waiting.
-    fn reported_loss(&self) -> Option<LockLoss>;
+    /// Where a task of the lock reports a loss, to be read without waiting: the guard before it
+    /// starts the app, the app's socket whenever it answers.
+    fn loss_reports(&self) -> Option<watch::Receiver<Option<LockLoss>>>;
 
     /// Resolves once the lock is no longer ours. Cancel-safe: may be polled again after a drop.
     async fn lost(&mut self) -> LockLoss;
@@ -496,6 +497,10 @@ impl HeldLock {
             .collect()
     }
 
+    pub fn loss_reports(&self) -> Option<watch::Receiver<Option<LockLoss>>> {
+        self.0.loss_reports()
+    }
+
     /// This acquisition's fencing token, where the backend keeps one.
     pub fn fencing_token(&self) -> Option<String> {
         self.0.fencing_token()
@@ -504,7 +509,8 @@ impl HeldLock {
     /// Whether the lock is already known to be lost, without waiting: checked right before the app
     /// is started, so it never starts on a lock that is gone, nor on one whose deadline has passed.
     pub fn known_lost(&self) -> Option<LockLoss> {
-        self.0.reported_loss().or_else(|| {
+        let reported = self.0.loss_reports().and_then(|rx| rx.borrow().clone());
+        reported.or_else(|| {
             let deadline = *self.app_deadline()?.borrow();
             deadline.has_passed().then(|| LockLoss {
                 reason: LossReason::DeadlinePassed,

@@ -86,9 +86,9 @@ impl WatchedLock {
         self.dead_by.clone()
     }
 
-    /// The loss the watcher has reported, if any, without waiting.
-    pub fn reported_loss(&self) -> Option<LockLoss> {
-        self.lost.borrow().clone()
+    /// The watcher's reports of a loss, read without waiting.
+    pub fn loss_reports(&self) -> watch::Receiver<Option<LockLoss>> {
+        self.lost.clone()
     }
 
     /// Resolves once the watcher reports the lock lost. Cancel-safe.
@@ -405,8 +405,8 @@ impl SessionLock {
         self.watched.lost().await
     }
 
-    pub fn reported_loss(&self) -> Option<LockLoss> {
-        self.watched.reported_loss()
+    pub fn loss_reports(&self) -> watch::Receiver<Option<LockLoss>> {
+        self.watched.loss_reports()
     }
 
     /// Says a release will follow once the app's tree is gone, so the watcher opens its interrupter
@@ -471,8 +471,8 @@ impl<W: WindowStore> Held for SessionHeld<W> {
         self.session.farewell()
     }
 
-    fn reported_loss(&self) -> Option<LockLoss> {
-        self.session.reported_loss()
+    fn loss_reports(&self) -> Option<watch::Receiver<Option<LockLoss>>> {
+        Some(self.session.loss_reports())
     }
 
     async fn lost(&mut self) -> LockLoss {

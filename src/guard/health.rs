@@ -71,6 +71,11 @@ impl<'a> Health<'a> {
         self.kill_at
     }
 
+    /// Whether a check is still running (or, killed at its timeout, not yet ended).
+    pub fn running(&self) -> bool {
+        self.running
+    }
+
     /// A check started at `now`.
     pub fn started(&mut self, now: Deadline) {
         self.next_at = None;
@@ -79,27 +84,39 @@ impl<'a> Health<'a> {
     }
 
     /// The running check outlived its timeout and was killed: a failure, counted now, not when its
-    /// end is reaped. The new state, if it changed.
-    pub fn timed_out(&mut self, now: Deadline) -> Option<HealthState> {
+    /// end is reaped. The next check is due an interval from now, whether or not this one has ended
+    /// by then (`lingers`).
+    pub fn timed_out(&mut self, now: Deadline) -> Verdict {
         self.kill_at = None;
+        self.next_at = Some(now + self.check.interval);
         self.count(CheckEnd::TimedOut, now)
     }
 
-    /// The running check ended (with `end`), or could not start at all (`Failed`). The new state,
-    /// if it changed.
-    pub fn ended(&mut self, end: CheckEnd, now: Deadline) -> Option<HealthState> {
-        let counted = self.running && self.kill_at.is_none();
+    /// The next check is due, but the one killed at its timeout has not ended (a process stuck in
+    /// the kernel, on a hung mount say): each interval it lingers counts as one more failure, so an
+    /// app whose checks hang that way still turns unhealthy.
+    pub fn lingers(&mut self, now: Deadline) -> Verdict {
+        self.next_at = Some(now + self.check.interval);
+        self.count(CheckEnd::TimedOut, now)
+    }
+
+    /// The running check ended (with `end`), or could not start at all (`Failed`).
+    pub fn ended(&mut self, end: CheckEnd, now: Deadline) -> Verdict {
+        let counted_already = self.running && self.kill_at.is_none();
         self.running = false;
         self.kill_at = None;
-        self.next_at = Some(now + self.check.interval);
-        if counted {
-            // Its timeout already counted it.
-            return None;
+        if counted_already {
+            // Its timeout counted it, and set when the next check is due.
+            return Verdict {
+                counted: None,
+                change: None,
+            };
         }
+        self.next_at = Some(now + self.check.interval);
         self.count(end, now)
     }
 
-    fn count(&mut self, end: CheckEnd, now: Deadline) -> Option<HealthState> {
+    fn count(&mut self, end: CheckEnd, now: Deadline) -> Verdict {
         let before = self.state;
         if end == CheckEnd::Passed {
             self.passed_once = true;
@@ -113,8 +130,19 @@ impl<'a> Health<'a> {
                 HealthState::Failing
             };
         }
-        (self.state != before).then_some(self.state)
+        Verdict {
+            counted: Some(end),
+            change: (self.state != before).then_some(self.state),
+        }
     }
+}
+
+/// What one check's end did: how it counted (none for the end of a check its timeout already
+/// counted), and the app's health, if that changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    pub counted: Option<CheckEnd>,
+    pub change: Option<HealthState>,
 }
 
 #[cfg(test)]
@@ -139,6 +167,12 @@ mod tests {
         T0 + Duration::from_secs(secs)
     }
 
+    /// Runs one check that starts and ends at `secs` with `end`; the change it made.
+    fn run(health: &mut Health<'_>, secs: u64, end: CheckEnd) -> Option<HealthState> {
+        health.started(at(secs));
+        health.ended(end, at(secs)).change
+    }
+
     #[test]
     fn retries_failures_in_a_row_make_the_app_unhealthy_and_a_pass_resets_them() {
         let check = check(3, Duration::ZERO);
@@ -147,28 +181,30 @@ mod tests {
         health.started(at(10));
         assert_eq!(health.next_check(), None);
         assert_eq!(health.kill_at(), Some(at(15)));
-        assert_eq!(
-            health.ended(CheckEnd::Passed, at(11)),
-            Some(HealthState::Healthy)
-        );
+        let passed = health.ended(CheckEnd::Passed, at(11));
+        assert_eq!(passed.change, Some(HealthState::Healthy));
+        assert_eq!(passed.counted, Some(CheckEnd::Passed));
         assert_eq!(health.next_check(), Some(at(21)));
-        for (n, expected) in [(1, Some(HealthState::Failing)), (2, None)] {
-            health.started(at(20 * n));
-            assert_eq!(health.ended(CheckEnd::Failed, at(20 * n)), expected);
-            assert_eq!(health.failures(), n as u32);
-        }
-        health.started(at(60));
         assert_eq!(
-            health.ended(CheckEnd::Passed, at(60)),
+            run(&mut health, 21, CheckEnd::Failed),
+            Some(HealthState::Failing)
+        );
+        assert_eq!(run(&mut health, 31, CheckEnd::Failed), None);
+        assert_eq!(health.failures(), 2);
+        assert_eq!(
+            run(&mut health, 41, CheckEnd::Passed),
             Some(HealthState::Healthy)
         );
         assert_eq!(health.failures(), 0);
-        for n in 1..=3 {
-            health.started(at(100 + n));
-            let change = health.ended(CheckEnd::Failed, at(100 + n));
-            assert_eq!(change.is_some(), n != 2, "failure {n}");
-        }
-        assert_eq!(health.state(), HealthState::Unhealthy);
+        assert_eq!(
+            run(&mut health, 51, CheckEnd::Failed),
+            Some(HealthState::Failing)
+        );
+        assert_eq!(run(&mut health, 61, CheckEnd::Failed), None);
+        assert_eq!(
+            run(&mut health, 71, CheckEnd::Failed),
+            Some(HealthState::Unhealthy)
+        );
     }
 
     #[test]
@@ -176,44 +212,55 @@ mod tests {
         let check = check(2, Duration::ZERO);
         let mut health = Health::new(&check, T0);
         health.started(at(10));
-        assert_eq!(health.timed_out(at(15)), Some(HealthState::Failing));
+        let timed_out = health.timed_out(at(15));
+        assert_eq!(timed_out.change, Some(HealthState::Failing));
+        assert_eq!(timed_out.counted, Some(CheckEnd::TimedOut));
         assert_eq!(health.kill_at(), None);
-        assert_eq!(
-            health.next_check(),
-            None,
-            "no new check before the killed one ended"
-        );
-        assert_eq!(health.ended(CheckEnd::Failed, at(16)), None);
+        assert_eq!(health.next_check(), Some(at(25)));
+        let reaped = health.ended(CheckEnd::Failed, at(16));
+        assert_eq!(reaped.counted, None, "counted once, at its timeout");
         assert_eq!(health.failures(), 1);
-        assert_eq!(health.next_check(), Some(at(26)));
-        health.started(at(26));
-        assert_eq!(health.timed_out(at(31)), Some(HealthState::Unhealthy));
+        assert_eq!(health.next_check(), Some(at(25)));
+        health.started(at(25));
+        assert_eq!(
+            health.timed_out(at(30)).change,
+            Some(HealthState::Unhealthy)
+        );
+    }
+
+    #[test]
+    fn a_killed_check_that_never_ends_counts_a_failure_each_interval() {
+        let check = check(3, Duration::ZERO);
+        let mut health = Health::new(&check, T0);
+        health.started(at(10));
+        health.timed_out(at(15));
+        assert!(health.running());
+        assert_eq!(health.lingers(at(25)).change, None);
+        assert_eq!(health.failures(), 2);
+        assert_eq!(health.next_check(), Some(at(35)));
+        assert_eq!(health.lingers(at(35)).change, Some(HealthState::Unhealthy));
     }
 
     #[test]
     fn failures_in_the_start_period_count_only_after_a_pass() {
         let check = check(1, Duration::from_secs(30));
         let mut health = Health::new(&check, T0);
-        health.started(at(10));
-        assert_eq!(health.ended(CheckEnd::Failed, at(10)), None);
+        assert_eq!(run(&mut health, 10, CheckEnd::Failed), None);
         assert_eq!(health.state(), HealthState::Starting);
         assert_eq!(health.failures(), 0);
         // After the start period, the first failure counts.
-        health.started(at(30));
         assert_eq!(
-            health.ended(CheckEnd::Failed, at(30)),
+            run(&mut health, 30, CheckEnd::Failed),
             Some(HealthState::Unhealthy)
         );
 
         let mut health = Health::new(&check, T0);
-        health.started(at(10));
         assert_eq!(
-            health.ended(CheckEnd::Passed, at(10)),
+            run(&mut health, 10, CheckEnd::Passed),
             Some(HealthState::Healthy)
         );
-        health.started(at(20));
         assert_eq!(
-            health.ended(CheckEnd::Failed, at(20)),
+            run(&mut health, 20, CheckEnd::Failed),
             Some(HealthState::Unhealthy),
             "a pass ends the start period"
         );

@@ -32,10 +32,17 @@ mod supervise;
 /// Variables the app (and the watchdog) must never see: the first two may carry the backend's
 /// credentials; with `NOTIFY_SOCKET` the app could tell systemd it is ready before it runs under the
 /// lock, or speak for the guard after a loss (with `NotifyAccess=all`), so the guard alone speaks.
+/// The health check's settings go too: its command may carry a token, and a guard the app runs
+/// would inherit the check.
 const HIDDEN_FROM_APP: &[&str] = &[
     "SENTINEL_GUARD_URL",
     "SENTINEL_GUARD_URL_FILE",
     crate::notify::SOCKET_VAR,
+    "SENTINEL_GUARD_HEALTH_CMD",
+    "SENTINEL_GUARD_HEALTH_INTERVAL",
+    "SENTINEL_GUARD_HEALTH_TIMEOUT",
+    "SENTINEL_GUARD_HEALTH_RETRIES",
+    "SENTINEL_GUARD_HEALTH_START_PERIOD",
 ];
 
 /// The exit a command that could not be executed ends the guard with: 127 when it (or its script's
@@ -66,17 +73,21 @@ pub async fn run(config: &Config, endpoints: Option<Endpoints>, parent: Pid) -> 
         config.health.is_some(),
     );
     let vouching = Vouching::new(config.name.as_str(), backend, &holder.id);
-    // Removed, with its directory, when the guard returns.
+    // Removed, with its directory, when the guard returns. Without it the guard still runs (a
+    // read-only root with no runtime directory): the app is told of no socket, and `held` says so.
     let socket = span.in_scope(|| {
-        HeldSocket::bind()
-            .and_then(|mut socket| socket.serve(vouching.clone()).map(|()| socket))
-            .map_err(|e| {
-                error!(event = "setup_failed", error = %e, "cannot make the app's socket ({ENV_SOCKET})");
+        let bound = HeldSocket::bind().and_then(|mut socket| {
+            socket
+                .serve(vouching.clone())
+                .map(|()| socket)
+                .map_err(|e| e.to_string())
+        });
+        bound
+            .map_err(|why| {
+                warn!(event = "held_socket_unavailable", tried = %why, "cannot make the app's socket ({ENV_SOCKET}); the app runs without it");
             })
+            .ok()
     });
-    let Ok(socket) = socket else {
-        return Outcome::Internal;
-    };
     let guard = Guard {
         config,
         holder: &holder,
@@ -87,7 +98,7 @@ pub async fn run(config: &Config, endpoints: Option<Endpoints>, parent: Pid) -> 
         }),
         metrics,
         vouching,
-        app_socket: socket.path(),
+        app_socket: socket.as_ref().map(HeldSocket::path),
         stop_requested: Cell::new(false),
     };
     let outcome = guard.run(endpoints, parent).instrument(span.clone()).await;
@@ -132,7 +143,7 @@ struct Guard<'a> {
     /// What the lock layer reports, turned into metrics and the service manager's status.
     observer: Arc<dyn backend::Observer>,
     /// The socket the app is told of, which `vouching` answers on.
-    app_socket: std::path::PathBuf,
+    app_socket: Option<std::path::PathBuf>,
     /// What the app's socket answers: whether the lock is held, and for how long it is promised.
     vouching: Vouching,
     /// A signal asked the guard to stop while an app ran: a scheduler starts no further run.

@@ -18,7 +18,7 @@ use crate::vocab::{
 };
 use crate::window::RunExit;
 
-use super::health::{CheckEnd, Health};
+use super::health::{CheckEnd, Health, Verdict};
 use super::{at, command_outcome, lost, next_deadline, AppGone, Finished, Guard, HIDDEN_FROM_APP};
 
 impl Guard<'_> {
@@ -35,15 +35,21 @@ impl Guard<'_> {
             (ENV_NAME, config.name.to_string()),
             (ENV_BACKEND, self.backend.to_owned()),
             (ENV_HOLDER_ID, self.holder.id.clone()),
-            (ENV_SOCKET, self.app_socket.display().to_string()),
         ];
+        // Without a socket of its own, the app must not ask one it inherited (a guard's app that
+        // runs a guard) about another lock.
+        let mut remove = HIDDEN_FROM_APP.to_vec();
+        match &self.app_socket {
+            Some(path) => set.push((ENV_SOCKET, path.display().to_string())),
+            None => remove.push(ENV_SOCKET),
+        }
         set.extend(held.iter().flat_map(HeldLock::app_env));
         if let Some(run) = window {
             set.push((ENV_WINDOW, run.window.index.to_string()));
             set.push((ENV_WINDOW_START, run.window.start_rfc3339()));
         }
         let env = AppEnv {
-            remove: HIDDEN_FROM_APP,
+            remove: &remove,
             set,
         };
         let mut app_deadline = held.as_ref().and_then(HeldLock::app_deadline);
@@ -66,11 +72,7 @@ impl Guard<'_> {
         }
         // Said before the app can ask: it is told "held" from its first question on.
         match &held {
-            Some(lock) => self.vouching.held(
-                lock.fencing_token(),
-                lock.app_deadline(),
-                config.timings.grace_period,
-            ),
+            Some(lock) => self.vouching.held(lock, config.timings.grace_period),
             None => self.vouching.unguarded(),
         }
         let started = {
@@ -178,11 +180,13 @@ impl Guard<'_> {
                             detail: "the watchdog process exited; the app may not run without it".to_owned(),
                         }),
                         Event::ProbeEnded(status) => {
+                            // What the check left behind goes with it.
+                            app.end_probe();
                             if let Some(health) = health.as_mut() {
                                 let end = if status == AppStatus::Exited(0) { CheckEnd::Passed } else { CheckEnd::Failed };
-                                let change = health.ended(end, Deadline::now());
-                                if self.health_said(health, change, end, &status.to_string()) {
-                                    break Ending::Unhealthy;
+                                let verdict = health.ended(end, Deadline::now());
+                                if let Some(ending) = self.health_said(health, verdict, &status.to_string()) {
+                                    break ending;
                                 }
                             }
                         }
@@ -192,6 +196,9 @@ impl Guard<'_> {
                         app.forward(signal);
                         if is_shutdown(signal) && kill_at.is_none() {
                             self.stop_requested.set(true);
+                            // A stop asked for is not undone by a check: none runs from here on.
+                            app.kill_probe();
+                            health = None;
                             kill_at = Some(Deadline::after(config.timings.grace_period));
                             notify::stopping(&format!("stopping: {} forwarded to the app", signal_name(signal)));
                         }
@@ -202,27 +209,32 @@ impl Guard<'_> {
                         kill_at = None;
                     }
                     () = at(max_runtime_at) => break Ending::MaxRuntime,
-                    () = at(next_check), if kill_at.is_none() => {
+                    () = at(next_check) => {
                         let (Some(health), Some(check)) = (health.as_mut(), config.health.as_ref()) else { continue };
-                        let now = Deadline::now();
-                        match app.start_probe(&check.command, &env) {
-                            Ok(_) => health.started(now),
-                            Err(e) => {
-                                let change = health.ended(CheckEnd::Failed, now);
-                                if self.health_said(health, change, CheckEnd::Failed, &format!("could not start: {e}")) {
-                                    break Ending::Unhealthy;
+                        let (verdict, how) = if health.running() {
+                            (health.lingers(Deadline::now()), "killed at its timeout, and still not ended".to_owned())
+                        } else {
+                            match app.start_probe(&check.command, &env) {
+                                Ok(_) => {
+                                    // Timed from its exec, not from before the fork.
+                                    health.started(Deadline::now());
+                                    continue;
                                 }
+                                Err(e) => (health.ended(CheckEnd::Failed, Deadline::now()), format!("could not start: {e}")),
                             }
+                        };
+                        if let Some(ending) = self.health_said(health, verdict, &how) {
+                            break ending;
                         }
                     }
                     () = at(check_kill_at) => {
                         let Some(health) = health.as_mut() else { continue };
                         // Kill first, count after.
                         app.kill_probe();
-                        let change = health.timed_out(Deadline::now());
+                        let verdict = health.timed_out(Deadline::now());
                         let how = format!("still running after {}; killed", crate::vocab::show_duration(health.timeout()));
-                        if self.health_said(health, change, CheckEnd::TimedOut, &how) {
-                            break Ending::Unhealthy;
+                        if let Some(ending) = self.health_said(health, verdict, &how) {
+                            break ending;
                         }
                     }
                 }
@@ -263,7 +275,9 @@ impl Guard<'_> {
         // Before the first signal: an app that asks from here on is told the lock is not held.
         self.vouching.not_held(match &ending {
             Ending::Lost(loss) => format!("the lock was lost ({})", loss.reason),
-            Ending::Unhealthy => "the app is unhealthy; the guard is stepping down".to_owned(),
+            Ending::Unhealthy { .. } => {
+                "the app is unhealthy; the guard is stepping down".to_owned()
+            }
             Ending::AppExited(_) | Ending::MaxRuntime => "the app is being stopped".to_owned(),
         });
         // Counted before teardown, so /leader turns 503 the moment the lock is gone or the app ends.
@@ -275,7 +289,7 @@ impl Guard<'_> {
                 }
             }
             Ending::AppExited(status) => self.metrics.app_ended(Some(*status)),
-            Ending::MaxRuntime | Ending::Unhealthy => {}
+            Ending::MaxRuntime | Ending::Unhealthy { .. } => {}
         }
         // Still ours unless lost: after a watchdog that died, the app may not run without it, but
         // the lock holds.
@@ -313,7 +327,7 @@ impl Guard<'_> {
         let outcome = match &ending {
             Ending::AppExited(status) => Outcome::AppExited(*status),
             Ending::MaxRuntime => Outcome::MaxRuntime,
-            Ending::Unhealthy => Outcome::Unhealthy,
+            Ending::Unhealthy { .. } => Outcome::Unhealthy,
             Ending::Lost(_) => Outcome::LockLost,
         };
         if still_ours {
@@ -345,19 +359,16 @@ impl Guard<'_> {
         }
     }
 
-    /// Logs a change of the app's health (one line per change) and updates the metrics; whether
-    /// the app is now unhealthy, and the guard must step down. `how` says how the check ended.
-    fn health_said(
-        &self,
-        health: &Health<'_>,
-        change: Option<HealthState>,
-        end: CheckEnd,
-        how: &str,
-    ) -> bool {
-        self.metrics
-            .health_check(end == CheckEnd::Passed, health.state());
+    /// Counts a check's end in the metrics and logs a change of the app's health (one line per
+    /// change); the ending when the app is now unhealthy, whose line `announce` writes once the
+    /// first signal is out. `how` says how the check ended.
+    fn health_said(&self, health: &Health<'_>, verdict: Verdict, how: &str) -> Option<Ending> {
+        if let Some(end) = verdict.counted {
+            self.metrics
+                .health_check(end == CheckEnd::Passed, health.state());
+        }
         let (failures, retries) = (health.failures(), health.retries());
-        match change {
+        match verdict.change {
             None => {
                 tracing::debug!(
                     event = "health_check",
@@ -365,12 +376,12 @@ impl Guard<'_> {
                     failures,
                     "health check ended"
                 );
-                false
+                None
             }
-            Some(HealthState::Unhealthy) => {
-                error!(event = "app_health", state = HealthState::Unhealthy.as_str(), check = how, failures, retries, "the app's health check failed too many times in a row; stopping the app and releasing the lock");
-                true
-            }
+            Some(HealthState::Unhealthy) => Some(Ending::Unhealthy {
+                check: how.to_owned(),
+                failures,
+            }),
             Some(state @ (HealthState::Healthy | HealthState::Starting)) => {
                 info!(
                     event = "app_health",
@@ -378,7 +389,7 @@ impl Guard<'_> {
                     check = how,
                     "the app's health check passed"
                 );
-                false
+                None
             }
             Some(state @ HealthState::Failing) => {
                 warn!(
@@ -389,7 +400,7 @@ impl Guard<'_> {
                     retries,
                     "the app's health check failed"
                 );
-                false
+                None
             }
         }
     }
@@ -414,7 +425,14 @@ fn announce(ending: &Ending, config: &Config) {
             info!(event = "app_exited", %status, "app ended");
             notify::stopping(&format!("app {status}; stopping"));
         }
-        Ending::Unhealthy => {
+        Ending::Unhealthy { check, failures } => {
+            error!(
+                event = "app_health",
+                state = HealthState::Unhealthy.as_str(),
+                check = %check,
+                failures,
+                "the app's health check failed too many times in a row; stopping the app and releasing the lock"
+            );
             notify::stopping("stopping the app: it is unhealthy; the lock will be released");
         }
         Ending::MaxRuntime => {
@@ -433,7 +451,10 @@ pub(super) enum Ending {
     AppExited(AppStatus),
     Lost(LockLoss),
     MaxRuntime,
-    /// `--health-cmd` failed `--health-retries` times in a row: the lock is still ours, and is
-    /// released once the app's tree is gone.
-    Unhealthy,
+    /// `--health-cmd` failed `--health-retries` times in a row (`failures`, the last as `check`
+    /// says): the lock is still ours, and is released once the app's tree is gone.
+    Unhealthy {
+        check: String,
+        failures: u32,
+    },
 }

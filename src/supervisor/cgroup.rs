@@ -190,9 +190,25 @@ impl AppCgroup {
         }
     }
 
+    /// A cgroup below this one, made if it is not there yet: stopped with this one (its members
+    /// are this one's too), and on its own.
+    pub fn child(&self, name: &str) -> io::Result<AppCgroup> {
+        let dir = self.dir.join(name);
+        match fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        Ok(AppCgroup {
+            dir,
+            kind: self.kind,
+        })
+    }
+
     /// Removes the cgroup once it is empty; a busy one (a process not yet gone) is left in place.
-    pub fn remove(&self) {
-        let _ = fs::remove_dir(&self.dir);
+    /// Whether it is gone.
+    pub fn remove(&self) -> bool {
+        fs::remove_dir(&self.dir).is_ok()
     }
 }
 

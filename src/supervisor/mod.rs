@@ -3,7 +3,6 @@
 mod cgroup;
 mod pause;
 mod pidfd;
-mod probe;
 mod reaper;
 mod signals;
 mod spawn;
@@ -75,8 +74,53 @@ pub struct Supervisor {
     watchdog_reported: bool,
     /// Every process the app forks, `setsid` or not; none where no cgroup can be made.
     cgroup: Option<AppCgroup>,
-    /// The way into `cgroup`, for health checks.
-    entry: Option<cgroup::Entry>,
+    /// Where health checks run, below `cgroup`.
+    checks: ChecksCgroups,
+}
+
+/// A cgroup of its own for each health check, below the app's. Never one for two checks: a process
+/// born (`CLONE_INTO_CGROUP`) into a cgroup once emptied through `cgroup.kill` was seen killed at
+/// birth (Linux 6.18), so a check never starts where an earlier one was swept.
+#[derive(Default)]
+struct ChecksCgroups {
+    made: u64,
+    current: Option<(AppCgroup, cgroup::Entry)>,
+    /// Earlier checks' cgroups, removed once empty (their last processes may still be unreaped).
+    spent: Vec<AppCgroup>,
+}
+
+impl ChecksCgroups {
+    /// A fresh cgroup below `app` for the next check; none where it cannot be made.
+    fn next(&mut self, app: &AppCgroup) -> Option<&cgroup::Entry> {
+        self.retire();
+        self.made += 1;
+        let made = app
+            .child(&format!("health-{}", self.made))
+            .and_then(|c| c.entry().map(|e| (c, e)));
+        match made {
+            Ok(made) => self.current = Some(made),
+            Err(e) => {
+                debug!(error = %e, "no cgroup of its own for the health check; it runs in the app's");
+            }
+        }
+        self.current.as_ref().map(|(_, entry)| entry)
+    }
+
+    /// SIGKILL to whatever the current check left in its cgroup.
+    fn sweep(&self) {
+        if let Some((cgroup, _)) = &self.current {
+            if !cgroup.is_empty().unwrap_or(false) {
+                let _ = cgroup.kill();
+            }
+        }
+    }
+
+    /// The current check's cgroup joins the spent ones; those that are empty are removed.
+    fn retire(&mut self) {
+        self.spent
+            .extend(self.current.take().map(|(cgroup, _)| cgroup));
+        self.spent.retain(|cgroup| !cgroup.remove());
+    }
 }
 
 impl Supervisor {
@@ -99,7 +143,9 @@ impl Supervisor {
             match Watchdog::spawn(stop, &env.set, env.remove, farewell, cgroup.as_ref()) {
                 Ok(watchdog) => watchdog,
                 Err(e) => {
-                    cgroup.iter().for_each(AppCgroup::remove);
+                    if let Some(cgroup) = &cgroup {
+                        cgroup.remove();
+                    }
                     return Err(StartError::Watchdog(e));
                 }
             };
@@ -147,7 +193,9 @@ impl Supervisor {
                 watchdog.send(Message::StandDown);
                 debug!(event = "app_not_started", noticed_by, error = %error, "the command was not run; waiting for the watchdog to stand down");
                 await_watchdog(&mut reaper, &watchdog).await;
-                cgroup.iter().for_each(AppCgroup::remove);
+                if let Some(cgroup) = &cgroup {
+                    cgroup.remove();
+                }
                 return Err(error);
             }
         };
@@ -166,7 +214,7 @@ impl Supervisor {
             watchdog,
             watchdog_reported: false,
             cgroup,
-            entry,
+            checks: ChecksCgroups::default(),
         })
     }
 
@@ -209,18 +257,38 @@ impl Supervisor {
         }
     }
 
-    /// Starts a health check, whose end `next_event` reports. Only one runs at a time.
+    /// Starts a health check, `/bin/sh -c command`, whose end `next_event` reports. One runs at a
+    /// time. It runs in a cgroup of its own below the app's, so a check that is killed or has ended
+    /// leaves nothing behind (`end_probe`), `setsid` or not; where there is no cgroup, in a process
+    /// group of its own, and only the shell dies with the guard.
     pub fn start_probe(&mut self, command: &str, env: &AppEnv<'_>) -> std::io::Result<Pid> {
-        let pid = probe::spawn(command, env, self.entry.as_ref())?;
+        let entry = match &self.cgroup {
+            Some(app) => self.checks.next(app),
+            None => {
+                static SAID: Once = Once::new();
+                if getpid().as_raw() != 1 {
+                    SAID.call_once(|| warn!(event = "health_check_uncontained", "no cgroup for the health check: what it starts in the background outlives a guard killed by SIGKILL"));
+                }
+                None
+            }
+        };
+        let argv = ["/bin/sh".into(), "-c".into(), command.into()];
+        let pid = spawn::spawn_helper(&argv, env, entry)?;
         self.reaper.track_probe(pid);
         Ok(pid)
     }
 
-    /// SIGKILL to the running health check's group; its end is still reported.
+    /// SIGKILL to the running health check and everything it started; its end is still reported.
     pub fn kill_probe(&self) {
         if let Some(probe) = self.reaper.probe() {
             let _ = killpg(probe, Signal::SIGKILL);
         }
+        self.checks.sweep();
+    }
+
+    /// SIGKILL to whatever an ended health check left in its cgroup.
+    pub fn end_probe(&self) {
+        self.checks.sweep();
     }
 
     pub fn forward(&self, signal: i32) {
@@ -271,7 +339,11 @@ impl Supervisor {
         .await;
         self.watchdog.send(Message::StandDown);
         let watchdog_acted = await_watchdog(&mut self.reaper, &self.watchdog).await;
-        self.cgroup.iter().for_each(AppCgroup::remove);
+        // The checks' cgroups first: the app's cannot be removed while it has one below it.
+        self.checks.retire();
+        if let Some(cgroup) = &self.cgroup {
+            cgroup.remove();
+        }
         spawn::reclaim_terminal(self.app);
         // Only now may the app's pid, and with it its group id, be given to another process.
         self.reaper.reap_app();

@@ -257,6 +257,73 @@ pub fn spawn(
     }
 }
 
+/// Starts a helper of the app (the health check): `argv`, with the app's environment `env` and
+/// standard streams on `/dev/null` (a helper must never wait on a pipe the guard does not read), in
+/// a process group of its own (so what it starts is killed with it) and in `cgroup`, killed with
+/// the guard. Returns once it has executed `argv[0]`, or why it could not; its pid is the guard's
+/// to reap.
+pub fn spawn_helper(
+    argv: &[OsString],
+    env: &AppEnv<'_>,
+    cgroup: Option<&Entry>,
+) -> io::Result<Pid> {
+    let mut exec = Exec::prepare(argv, env)?;
+    let null = File::options().read(true).write(true).open("/dev/null")?;
+    let guard_pid = getpid();
+    let procs = cgroup.map(|entry| entry.procs.as_raw_fd());
+    let nofile = STARTING_NOFILE.get().copied();
+    let (errors, error_pipe) = pipe2(OFlag::O_CLOEXEC)?;
+    let born_into = cgroup.and_then(|entry| entry.dir.as_ref());
+    // SAFETY: as for the app: the child only makes async-signal-safe calls on memory prepared
+    // before the fork, and never returns.
+    match unsafe { fork_into(born_into) }? {
+        (None, joined) => {
+            let setup = || -> io::Result<()> {
+                if let Some((soft, hard)) = nofile {
+                    setrlimit(Resource::RLIMIT_NOFILE, soft, hard)?;
+                }
+                setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
+                prctl::set_pdeathsig(Signal::SIGKILL)?;
+                if getppid() != guard_pid {
+                    let _ = kill(own_pid(), Signal::SIGKILL);
+                }
+                if let Some(procs) = procs.filter(|_| !joined) {
+                    join_cgroup(procs)?;
+                }
+                for fd in 0..3 {
+                    // SAFETY: dup2(2) of a descriptor opened before the fork.
+                    if unsafe { libc::dup2(null.as_raw_fd(), fd) } < 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                }
+                sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
+                Ok(())
+            };
+            let errno = match setup() {
+                Ok(()) => exec.run(),
+                Err(e) => e.raw_os_error().unwrap_or(libc::EINVAL),
+            };
+            let bytes = errno.to_ne_bytes();
+            // SAFETY: write(2) of a stack buffer, then _exit(2), as for the app.
+            unsafe {
+                libc::write(error_pipe.as_raw_fd(), bytes.as_ptr().cast(), bytes.len());
+                libc::_exit(127)
+            }
+        }
+        (Some(pid), _) => {
+            drop(error_pipe);
+            match exec_errno(errors) {
+                None => Ok(pid),
+                Some(errno) => {
+                    // Reaped here: nothing else tracks it yet.
+                    let _ = waitpid(pid, None);
+                    Err(io::Error::from_raw_os_error(errno))
+                }
+            }
+        }
+    }
+}
+
 /// Forks; in the child `None` and whether it was born into `cgroup`. `clone3(CLONE_INTO_CGROUP)`
 /// first, then a plain fork where the kernel or the cgroup refuses it (the child then joins by the
 /// procs file, which reports any failure the usual way).
@@ -514,14 +581,7 @@ fn prepare_child(setup: &ChildSetup, joined: bool) -> io::Result<()> {
     // Into the app's cgroup before anything of the app can fork, so nothing it ever forks is
     // outside. "0" is the writing process itself.
     if let Some(procs) = setup.procs.filter(|_| !joined) {
-        loop {
-            // SAFETY: write(2) of a static buffer to a descriptor the guard opened for it.
-            match unsafe { libc::write(procs, b"0".as_ptr().cast(), 1) } {
-                1 => break,
-                _ if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) => {}
-                _ => return Err(io::Error::from_raw_os_error(CGROUP_JOIN_FAILED)),
-            }
-        }
+        join_cgroup(procs).map_err(|_| io::Error::from_raw_os_error(CGROUP_JOIN_FAILED))?;
     }
     await_watchdog_exec(setup.watchdog.exec_status)
         .map_err(|_| io::Error::from_raw_os_error(LINK_FAILED))?;
@@ -548,6 +608,19 @@ fn prepare_child(setup: &ChildSetup, joined: bool) -> io::Result<()> {
     // Handlers reset at exec, but a blocked mask would be inherited: the app starts with none.
     sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
     Ok(())
+}
+
+/// Moves the calling process into the cgroup whose procs file `procs` is ("0" is the writer itself).
+/// Async-signal-safe.
+fn join_cgroup(procs: RawFd) -> io::Result<()> {
+    loop {
+        // SAFETY: write(2) of a static buffer to a descriptor the guard opened for it.
+        match unsafe { libc::write(procs, b"0".as_ptr().cast(), 1) } {
+            1 => return Ok(()),
+            _ if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) => {}
+            _ => return Err(io::Error::last_os_error()),
+        }
+    }
 }
 
 /// The calling process's pid from the kernel. In the child, not getpid(3) or raise(3): after a raw
