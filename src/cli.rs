@@ -324,6 +324,11 @@ pub enum Subcommand {
     /// From inside the app: is the lock still held? Exit 0 = held (for at least --min-validity),
     /// 75 = not held or not for long enough, 2 = not run under a guard
     Held(HeldArgs),
+    /// Print the timeline the guarantees rest on for the guard's flags given after it (and the
+    /// environment): how soon each fault is noticed, when the app is dead, when the backend can
+    /// grant the lock elsewhere, when a standby's app may start. Exit 0, or 2 with the guard's own
+    /// reason for a configuration it refuses
+    Explain(ExplainArgs),
     /// Print the man page (roff) to stdout
     Man,
     /// Print a shell completion script to stdout
@@ -352,6 +357,21 @@ pub struct HeldArgs {
     /// Output as one line of key=value pairs, or as the guard's JSON line
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
     pub format: OutputFormat,
+}
+
+#[derive(Debug, Args)]
+pub struct ExplainArgs {
+    /// Output as text or as one JSON object; before the guard's flags
+    #[arg(long, value_enum, default_value_t = OutputFormat::Text)]
+    pub format: OutputFormat,
+
+    /// The guard's flags, as given to run it (the command after `--` may be left out)
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "GUARD FLAGS"
+    )]
+    pub guard_args: Vec<OsString>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -107,6 +107,11 @@ pub enum Invocation {
         min_validity: Duration,
         format: OutputFormat,
     },
+    /// `explain`: the timeline of the guard's configuration given after it.
+    Explain {
+        config: Box<Config>,
+        format: OutputFormat,
+    },
     Man,
     Completions(clap_complete::Shell),
 }
@@ -125,6 +130,10 @@ impl Invocation {
                     format: args.format,
                 })
             }
+            Some(Subcommand::Explain(args)) => Ok(Invocation::Explain {
+                config: Box::new(explained(&args.guard_args, guard_switch)?),
+                format: args.format,
+            }),
             Some(Subcommand::Man) => Ok(Invocation::Man),
             Some(Subcommand::Completions { shell }) => Ok(Invocation::Completions(shell)),
             None => Ok(Invocation::Guard(Box::new(Config::from_cli(
@@ -133,6 +142,31 @@ impl Invocation {
             )?))),
         }
     }
+}
+
+/// `explain`'s flags are the guard's own: read by the guard's parser and validated by its rules, so
+/// a configuration the guard refuses is refused here with the same reason. The command is
+/// optional, and stands in as `true` when left out.
+fn explained(args: &[OsString], guard_switch: Option<&str>) -> Result<Config, ConfigError> {
+    use clap::FromArgMatches;
+    let mut argv: Vec<OsString> = vec!["sentinel-guard".into()];
+    argv.extend(args.iter().cloned());
+    if !args.iter().any(|arg| arg == "--") {
+        argv.extend(["--".into(), "true".into()]);
+    }
+    let said = |e: clap::Error| {
+        let text = e.render().to_string();
+        invalid(text.trim().trim_start_matches("error: ").to_owned())
+    };
+    let matches = crate::cli::command()
+        .try_get_matches_from(argv)
+        .map_err(said)?;
+    let mut cli = Cli::from_arg_matches(&matches).map_err(said)?;
+    if cli.subcommand.is_some() {
+        return Err(invalid("explain takes the guard's flags, not a subcommand"));
+    }
+    crate::cli::command_line_wins(&mut cli, &matches);
+    Config::from_cli(cli, guard_switch)
 }
 
 /// The guard's configuration.
@@ -1279,7 +1313,7 @@ impl Timings {
 
     /// The longest the guard can rely on a lock after the server sent its last answer (see
     /// `session_timeout_secs`).
-    fn worst_answer_to_deadline(&self) -> Duration {
+    pub fn worst_answer_to_deadline(&self) -> Duration {
         MAX_LOCK_WAIT_CHUNK + self.check_interval + 2 * self.check_timeout + self.grace_period
     }
 

@@ -7,6 +7,7 @@ mod conceal;
 mod config;
 mod deadline;
 mod endpoints;
+mod explain;
 mod guard;
 mod handoff;
 mod held;
@@ -108,6 +109,13 @@ fn main() -> ExitCode {
             min_validity,
             format,
         } => ExitCode::from(held::ask(min_validity, format == cli::OutputFormat::Json)),
+        Invocation::Explain { config, format } => print_generated(|out| {
+            out.write_all(explain::render(&config, format == cli::OutputFormat::Json).as_bytes())?;
+            if format == cli::OutputFormat::Json {
+                out.write_all(b"\n")?;
+            }
+            Ok(())
+        }),
         Invocation::Man => print_generated(|out| manpage::render(cli::command(), out)),
         Invocation::Completions(shell) => print_generated(|out| {
             // clap_complete panics on a failed write, so it writes to memory first.
@@ -181,7 +189,7 @@ fn with_separator_hint(mut error: clap::Error) -> clap::Error {
             ) =>
         {
             "give the command to guard after `--` (sentinel-guard --url URL --name NAME -- ./app), \
-             or a subcommand: status, held, man, completions"
+             or a subcommand: status, held, explain, man, completions"
                 .to_owned()
         }
         (Some(value), _) if error.kind() == ErrorKind::UnknownArgument => format!(

@@ -500,7 +500,7 @@ fn the_command_line_wins_over_the_environment_and_status_agrees_with_the_guard()
     assert_eq!(bare.status.code(), Some(2));
     let said = String::from_utf8_lossy(&bare.stderr);
     assert!(
-        said.contains("or a subcommand: status, held, man, completions"),
+        said.contains("or a subcommand: status, held, explain, man, completions"),
         "{said}"
     );
 }

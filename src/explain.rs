@@ -1,0 +1,436 @@
+//! `sentinel-guard explain [the guard's flags]`: the timeline the guarantees rest on, for one
+//! validated configuration. Every number comes from the functions the guard itself times its lock
+//! with (`Timings`), so what is printed is what the guard does.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::config::{Config, TakeoverDelay, Target, Timings};
+use crate::vocab::show_duration;
+
+/// One kind of fault and what follows it, each a delay after `from` (none: never, or not this way).
+struct Fault {
+    fault: &'static str,
+    /// What the delays are counted from.
+    from: &'static str,
+    /// The guard (or its watchdog) knows the lock is lost.
+    noticed: Option<Duration>,
+    /// The app's whole tree is dead at the latest.
+    app_dead: Option<Duration>,
+    /// The backend can grant the lock to another guard at the earliest.
+    lock_free: Option<Duration>,
+    /// The takeover delay a standby that gets the lock then waits before starting its app, with
+    /// this configuration.
+    delay: Option<Duration>,
+    note: &'static str,
+}
+
+impl Fault {
+    /// When a waiting standby's app may start, at the earliest after `from`.
+    fn standby_starts(&self) -> Option<Duration> {
+        Some(self.lock_free? + self.delay?)
+    }
+
+    /// Whether no standby's app can start before this app is dead.
+    fn safe(&self) -> bool {
+        match (self.app_dead, self.standby_starts()) {
+            (_, None) => true,
+            (None, Some(_)) => false,
+            (Some(dead), Some(starts)) => dead <= starts,
+        }
+    }
+}
+
+/// A quantity the timeline is made of: its name, value and how the guard computes it.
+struct Quantity {
+    name: &'static str,
+    value: Duration,
+    formula: String,
+}
+
+pub fn render(config: &Config, json_output: bool) -> String {
+    let Some(target) = &config.target else {
+        let line = "SINGLE_INSTANCE_GUARD=false: no lock at all; every copy of the app runs";
+        return if json_output {
+            json!({"name": config.name.as_str(), "backend": "none", "unguarded": true, "note": line})
+                .to_string()
+        } else {
+            format!("{line}\n")
+        };
+    };
+    let t = &config.timings;
+    let (quantities, faults) = match target {
+        Target::Mysql(_) | Target::Postgres(_) => session(t, config.takeover_delay, target),
+        Target::Redis(redis) => lease(
+            t,
+            config.takeover_delay,
+            false,
+            redis.min_replicas > 0,
+            redis.topology() != "primary",
+        ),
+        Target::Etcd(_) => lease(t, config.takeover_delay, true, true, false),
+        Target::File(_) => file(t, config.takeover_delay),
+    };
+    let exceptions = exceptions(config, target);
+    if json_output {
+        let ms = |d: Option<Duration>| d.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        return json!({
+            "name": config.name.as_str(),
+            "backend": target.backend_name(),
+            "takeover_delay": match config.takeover_delay {
+                TakeoverDelay::Auto => "auto".to_owned(),
+                TakeoverDelay::Fixed(d) => show_duration(d),
+            },
+            "quantities": quantities.iter().map(|q| json!({
+                "name": q.name, "ms": ms(Some(q.value)), "formula": q.formula,
+            })).collect::<Vec<_>>(),
+            "faults": faults.iter().map(|f| json!({
+                "fault": f.fault, "from": f.from,
+                "noticed_ms": ms(f.noticed), "app_dead_ms": ms(f.app_dead),
+                "lock_free_ms": ms(f.lock_free), "takeover_delay_ms": ms(f.delay),
+                "standby_starts_ms": ms(f.standby_starts()), "no_overlap": f.safe(), "note": f.note,
+            })).collect::<Vec<_>>(),
+            "exceptions": exceptions,
+        })
+        .to_string();
+    }
+    // `word` before a delay: "within" a bound, "after" an earliest moment.
+    let show = |word: &str, d: Option<Duration>| match d {
+        Some(d) if d.is_zero() => "at once".to_owned(),
+        Some(d) => format!("{word} {}", show_duration(d)),
+        None => "never".to_owned(),
+    };
+    let mut out = format!(
+        "lock {} on {} ({}), takeover delay {}\n\nquantities:\n",
+        config.name.as_str(),
+        target.backend_name(),
+        target.location(),
+        match config.takeover_delay {
+            TakeoverDelay::Auto => "auto".to_owned(),
+            TakeoverDelay::Fixed(d) => show_duration(d),
+        }
+    );
+    for q in &quantities {
+        out.push_str(&format!(
+            "  {}: {} = {}\n",
+            q.name,
+            show_duration(q.value),
+            q.formula
+        ));
+    }
+    out.push_str("\nfaults (each delay counted from the moment named):\n");
+    for f in &faults {
+        out.push_str(&format!(
+            "  {}, from {}:\n    noticed {}; app dead {}; lock free elsewhere {}; standby's app starts {}{}\n",
+            f.fault,
+            f.from,
+            show("within", f.noticed),
+            show("within", f.app_dead),
+            show("after", f.lock_free),
+            show("after", f.standby_starts()),
+            if f.safe() { "" } else { " -- OVERLAP POSSIBLE" },
+        ));
+        if !f.note.is_empty() {
+            out.push_str(&format!("    ({})\n", f.note));
+        }
+    }
+    out.push_str("\nexceptions:\n");
+    for e in &exceptions {
+        out.push_str(&format!("  - {e}\n"));
+    }
+    out
+}
+
+/// What a standby waits after acquiring when the record says the lock may have been taken away
+/// from a holder whose bound is `bound`.
+fn delay_after_loss(delay: TakeoverDelay, bound: Duration) -> Duration {
+    match delay {
+        TakeoverDelay::Auto => bound,
+        TakeoverDelay::Fixed(d) => d,
+    }
+}
+
+/// MySQL and PostgreSQL: a lock on a session the guard proves alive every check; the server ends a
+/// silent session after the timeout the guard sets on it.
+fn session(t: &Timings, delay: TakeoverDelay, target: &Target) -> (Vec<Quantity>, Vec<Fault>) {
+    let detection = t.detection_bound();
+    let bound = detection + t.grace_period;
+    let session_timeout = Duration::from_secs(t.session_timeout_secs());
+    let timeout_name = match target {
+        Target::Mysql(_) => "wait_timeout",
+        _ => "idle_session_timeout (and tcp_user_timeout, keepalive idle)",
+    };
+    let taken_away = delay_after_loss(delay, bound);
+    let quantities = vec![
+        Quantity {
+            name: "detection bound",
+            value: detection,
+            formula: "--check-interval + --check-timeout: a check unanswered by then is a loss"
+                .to_owned(),
+        },
+        Quantity {
+            name: "grace period",
+            value: t.grace_period,
+            formula: "--grace-period: stop signal to SIGKILL".to_owned(),
+        },
+        Quantity {
+            name: "recorded bound",
+            value: bound,
+            formula: "detection bound + grace period: what a holder records as the longest its app may outlive the lock".to_owned(),
+        },
+        Quantity {
+            name: "server session timeout",
+            value: session_timeout,
+            formula: format!(
+                "{timeout_name}, set by the guard on its session: 2s (a lock wait) + --check-interval + 2 x --check-timeout + --grace-period + 5s margin, in whole seconds"
+            ),
+        },
+    ];
+    let faults = vec![
+        Fault {
+            fault: "the guard's session is killed (KILL, pg_terminate_backend) or the server restarts",
+            from: "the fault",
+            noticed: Some(Duration::ZERO),
+            app_dead: Some(t.grace_period),
+            lock_free: Some(Duration::ZERO),
+            delay: Some(taken_away),
+            note: "the record still says held: the standby waits the holder's recorded bound",
+        },
+        Fault {
+            fault: "the server falls silent or is partitioned from the guard",
+            from: "the server's last answer",
+            noticed: Some(detection),
+            app_dead: Some(t.worst_answer_to_deadline()),
+            lock_free: Some(session_timeout),
+            delay: Some(taken_away),
+            note: "",
+        },
+        Fault {
+            fault: "the guard is frozen (SIGSTOP, docker pause of the guard alone)",
+            from: "the last proof of ownership",
+            noticed: Some(detection),
+            app_dead: Some(bound),
+            lock_free: Some(session_timeout),
+            delay: Some(taken_away),
+            note: "the watchdog stops the app on the guard's deadline",
+        },
+        Fault {
+            fault: "the guard is killed (SIGKILL, OOM)",
+            from: "the fault",
+            noticed: Some(Duration::ZERO),
+            app_dead: Some(Duration::ZERO),
+            lock_free: Some(Duration::ZERO),
+            delay: Some(Duration::ZERO),
+            note: "the watchdog kills the app's tree, records tree_gone and ends the session: a clean hand-over",
+        },
+        Fault {
+            fault: "the server is demoted in place (read_only, recovery)",
+            from: "the demotion",
+            noticed: Some(t.check_interval),
+            app_dead: Some(t.check_interval + t.grace_period),
+            lock_free: Some(Duration::ZERO),
+            delay: Some(delay_after_loss(delay, bound)),
+            note: "the new primary's record is from another server: the standby waits the larger bound",
+        },
+    ];
+    (quantities, faults)
+}
+
+/// Redis and etcd: a lease the guard renews; the app is stopped before the lease can run out.
+fn lease(
+    t: &Timings,
+    delay: TakeoverDelay,
+    etcd: bool,
+    replicated: bool,
+    failover_possible: bool,
+) -> (Vec<Quantity>, Vec<Fault>) {
+    let margin = t.lease_drift_margin();
+    let validity = t.lease_validity();
+    let bound = t.ttl + t.grace_period;
+    let stop_at = validity.saturating_sub(t.grace_period);
+    let quantities = vec![
+        Quantity {
+            name: "lease",
+            value: t.ttl,
+            formula: "--ttl".to_owned(),
+        },
+        Quantity {
+            name: "renewal interval",
+            value: t.renew_interval,
+            formula: "--renew-interval (default ttl/3)".to_owned(),
+        },
+        Quantity {
+            name: "drift margin",
+            value: margin,
+            formula: "ttl/100 + 100ms, for clock-rate drift and scheduling".to_owned(),
+        },
+        Quantity {
+            name: "lease relied on",
+            value: validity,
+            formula: "ttl - drift margin after each confirmed renewal was sent: the app's deadline".to_owned(),
+        },
+        Quantity {
+            name: "stop begins",
+            value: stop_at,
+            formula: "lease relied on - grace period after the last confirmed renewal, if none since".to_owned(),
+        },
+        Quantity {
+            name: "recorded bound",
+            value: bound,
+            formula: "ttl + grace period: what a holder records as the longest its app may outlive the lock".to_owned(),
+        },
+    ];
+    let noticed_loss = t.renew_interval + t.check_timeout;
+    let mut faults = vec![
+        Fault {
+            fault: if etcd {
+                "the key is deleted"
+            } else {
+                "the key is deleted, evicted, or lost with a server restarted empty"
+            },
+            from: "the fault",
+            noticed: Some(noticed_loss),
+            app_dead: Some((noticed_loss + t.grace_period).min(validity)),
+            lock_free: Some(Duration::ZERO),
+            delay: Some(delay_after_loss(delay, bound)),
+            note: "the next renewal finds the key gone",
+        },
+        Fault {
+            fault: "the server falls silent, is partitioned from the guard, or the guard is frozen",
+            from: "the last confirmed renewal",
+            noticed: Some(stop_at),
+            app_dead: Some(validity),
+            lock_free: Some(t.ttl),
+            delay: Some(delay_after_loss(delay, bound)),
+            note: "the lease runs out on the server; the record says expired",
+        },
+        Fault {
+            fault: "the guard is killed (SIGKILL, OOM)",
+            from: if etcd {
+                "the fault"
+            } else {
+                "the last confirmed renewal"
+            },
+            noticed: Some(Duration::ZERO),
+            // Killed before the next renewal was confirmed, and its app with it.
+            app_dead: Some(if etcd { Duration::ZERO } else { noticed_loss }),
+            lock_free: Some(if etcd { Duration::ZERO } else { t.ttl }),
+            delay: Some(if etcd {
+                Duration::ZERO
+            } else {
+                delay_after_loss(delay, bound)
+            }),
+            note: if etcd {
+                "the watchdog kills the app's tree, records tree_gone and revokes the lease: a clean hand-over"
+            } else {
+                "the watchdog kills the app's tree; the lease runs out on its own"
+            },
+        },
+    ];
+    if failover_possible {
+        faults.push(Fault {
+            fault: "a failover to a replica",
+            from: "the failover",
+            noticed: Some(if replicated {
+                Duration::ZERO
+            } else {
+                noticed_loss
+            }),
+            app_dead: Some((noticed_loss + t.grace_period).min(validity)),
+            lock_free: if replicated {
+                None
+            } else {
+                Some(Duration::ZERO)
+            },
+            delay: Some(delay_after_loss(delay, bound)),
+            note: if replicated {
+                "--redis-min-replicas: the new primary has the lease, which stays ours"
+            } else {
+                "without --redis-min-replicas the new primary may not have the lease"
+            },
+        });
+    }
+    (quantities, faults)
+}
+
+/// A local `flock`: the kernel holds it as long as a descriptor of the guard's (or its watchdog's)
+/// is open; the guard checks the path still names the file it locked.
+fn file(t: &Timings, delay: TakeoverDelay) -> (Vec<Quantity>, Vec<Fault>) {
+    let bound = t.detection_bound() + t.grace_period;
+    let quantities = vec![
+        Quantity {
+            name: "path check",
+            value: t.check_interval,
+            formula: "--check-interval: how often the guard checks the path still names its file"
+                .to_owned(),
+        },
+        Quantity {
+            name: "recorded bound",
+            value: bound,
+            formula: "--check-interval + --check-timeout + grace period".to_owned(),
+        },
+    ];
+    let faults = vec![
+        Fault {
+            fault: "the lock file is deleted or replaced",
+            from: "the fault",
+            noticed: Some(t.check_interval),
+            app_dead: Some(t.check_interval + t.grace_period),
+            lock_free: Some(Duration::ZERO),
+            delay: Some(delay_after_loss(delay, bound)),
+            note: "a new file has no record: the standby waits its own bound",
+        },
+        Fault {
+            fault: "the guard is frozen (SIGSTOP)",
+            from: "the fault",
+            noticed: None,
+            app_dead: None,
+            lock_free: None,
+            delay: None,
+            note: "the kernel keeps a frozen guard's flock: no one else can take it meanwhile",
+        },
+        Fault {
+            fault: "the guard is killed (SIGKILL, OOM)",
+            from: "the fault",
+            noticed: Some(Duration::ZERO),
+            app_dead: Some(Duration::ZERO),
+            lock_free: Some(Duration::ZERO),
+            delay: Some(Duration::ZERO),
+            note: "the watchdog keeps the locked descriptor until the app's tree is gone, and records tree_gone",
+        },
+    ];
+    (quantities, faults)
+}
+
+/// The exceptions docs/guarantees.md states, those that apply to this configuration.
+fn exceptions(config: &Config, target: &Target) -> Vec<String> {
+    let mut said = Vec::new();
+    if let TakeoverDelay::Fixed(d) = config.takeover_delay {
+        said.push(format!(
+            "--takeover-delay {}: when the backend takes the lock away, a standby starts its app after {} whatever the old app's bound; the faults marked OVERLAP POSSIBLE show where that is too short",
+            show_duration(d),
+            show_duration(d)
+        ));
+    }
+    said.push(
+        "a whole tree frozen past its deadline (docker pause, a suspended VM) runs its app again for a moment when thawed"
+            .to_owned(),
+    );
+    match target {
+        Target::Redis(redis) if !redis.release_marker_survives_failover() => said.push(
+            "Redis failover without --redis-min-replicas: the new primary may not have the lease; the takeover delay covers it, and no hand-over is instant"
+                .to_owned(),
+        ),
+        Target::Redis(_) => said.push(
+            "Redis: the server's wall clock stepped forward expires the lease early; the takeover delay covers it"
+                .to_owned(),
+        ),
+        Target::Mysql(_) | Target::Postgres(_) => said.push(
+            "where the lock record cannot be kept (no database in the URL, no CREATE), every acquisition waits the standby's own bound"
+                .to_owned(),
+        ),
+        Target::Etcd(_) | Target::File(_) => {}
+    }
+    said
+}
