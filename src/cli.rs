@@ -257,7 +257,7 @@ pub struct Cli {
     #[arg(long, env = "SENTINEL_GUARD_HEALTH_INTERVAL", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub health_interval: Option<Duration>,
 
-    /// A health check still running after this long is killed and counts as failed (10ms to 1h)
+    /// A health check still running after this long is killed and counts as failed (100ms to 1h)
     /// [default: 5s]
     #[arg(long, env = "SENTINEL_GUARD_HEALTH_TIMEOUT", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub health_timeout: Option<Duration>,

@@ -83,6 +83,18 @@ fn bound_lock_timeouts(lock: &LockArgs) -> Result<(), ConfigError> {
     )
 }
 
+/// `option value` must not be below `min`.
+fn at_least(option: &str, value: Duration, min: Duration) -> Result<(), ConfigError> {
+    if value < min {
+        return Err(invalid(format!(
+            "{option} {} is below the minimum of {}",
+            crate::vocab::show_duration(value),
+            crate::vocab::show_duration(min)
+        )));
+    }
+    Ok(())
+}
+
 /// `option value` must not exceed `max`.
 fn at_most(option: &str, value: Duration, max: Duration) -> Result<(), ConfigError> {
     if value > max {
@@ -267,10 +279,14 @@ impl StatusConfig {
         let target = target.ok_or_else(|| {
             invalid("no lock backend: set --url or --url-file (SENTINEL_GUARD_URL / SENTINEL_GUARD_URL_FILE)")
         })?;
-        if args.lock.connect_timeout.is_zero() || args.lock.check_timeout.is_zero() {
-            return Err(invalid(
-                "--connect-timeout and --check-timeout must be longer than 0s",
-            ));
+        // The guard's own minimum: a check of status is the guard's check.
+        at_least(
+            "--check-timeout",
+            args.lock.check_timeout,
+            MIN_CHECK_TIMEOUT,
+        )?;
+        if args.lock.connect_timeout.is_zero() {
+            return Err(invalid("--connect-timeout must be longer than 0s"));
         }
         bound_lock_timeouts(&args.lock)?;
         Ok(StatusConfig {
@@ -429,7 +445,7 @@ pub struct HealthCheck {
 }
 
 const MIN_HEALTH_INTERVAL: Duration = Duration::from_millis(100);
-const MIN_HEALTH_TIMEOUT: Duration = Duration::from_millis(10);
+const MIN_HEALTH_TIMEOUT: Duration = Duration::from_millis(100);
 
 /// `--health-cmd` and its companions, which mean nothing without it.
 fn health_check(cli: &Cli) -> Result<Option<HealthCheck>, ConfigError> {
@@ -458,18 +474,8 @@ fn health_check(cli: &Cli) -> Result<Option<HealthCheck>, ConfigError> {
     at_most("--health-interval", check.interval, DAY)?;
     at_most("--health-timeout", check.timeout, HOUR)?;
     at_most("--health-start-period", check.start_period, DAY)?;
-    for (option, value, min) in [
-        ("--health-interval", check.interval, MIN_HEALTH_INTERVAL),
-        ("--health-timeout", check.timeout, MIN_HEALTH_TIMEOUT),
-    ] {
-        if value < min {
-            return Err(invalid(format!(
-                "{option} {} is below its minimum of {}",
-                crate::vocab::show_duration(value),
-                crate::vocab::show_duration(min)
-            )));
-        }
-    }
+    at_least("--health-interval", check.interval, MIN_HEALTH_INTERVAL)?;
+    at_least("--health-timeout", check.timeout, MIN_HEALTH_TIMEOUT)?;
     Ok(Some(check))
 }
 
@@ -1330,20 +1336,8 @@ impl Timings {
 
     pub fn validate(&self, target: Option<&Target>) -> Result<(), ConfigError> {
         let show = |d: Duration| crate::vocab::show_duration(d);
-        if self.check_interval < MIN_CHECK_INTERVAL {
-            return Err(invalid(format!(
-                "--check-interval {} is below the minimum of {}",
-                show(self.check_interval),
-                show(MIN_CHECK_INTERVAL)
-            )));
-        }
-        if self.check_timeout < MIN_CHECK_TIMEOUT {
-            return Err(invalid(format!(
-                "--check-timeout {} is below the minimum of {}",
-                show(self.check_timeout),
-                show(MIN_CHECK_TIMEOUT)
-            )));
-        }
+        at_least("--check-interval", self.check_interval, MIN_CHECK_INTERVAL)?;
+        at_least("--check-timeout", self.check_timeout, MIN_CHECK_TIMEOUT)?;
         if self.connect_timeout.is_zero() {
             return Err(invalid("--connect-timeout must be longer than 0s"));
         }

@@ -504,3 +504,42 @@ fn the_command_line_wins_over_the_environment_and_status_agrees_with_the_guard()
         "{said}"
     );
 }
+
+#[test]
+fn status_takes_the_guards_check_timeout_minimum() {
+    let lab = Lab::new();
+    let url = lab.file_url("min.lock");
+    for args in [
+        vec![
+            "status",
+            "--url",
+            url.as_str(),
+            "--name",
+            "m",
+            "--check-timeout",
+            "1ms",
+        ],
+        vec![
+            "--url",
+            url.as_str(),
+            "--name",
+            "m",
+            "--check-timeout",
+            "1ms",
+            "--",
+            "true",
+        ],
+    ] {
+        let out = lab
+            .command(&args, &[])
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            said.contains("--check-timeout 1ms is below the minimum of 100ms"),
+            "{args:?}: {said}"
+        );
+    }
+}

@@ -422,7 +422,7 @@ pub trait Held: WindowStore {
     fn fencing_token(&self) -> Option<String>;
 
     /// Whether the previous holder released the lock on a topology where that record survives a
-    /// failover: the one case a fixed `--takeover-delay` is skipped (Redis only).
+    /// failover: the one case a fixed `--takeover-delay` is skipped (Redis and etcd).
     fn released_cleanly(&self) -> bool;
 
     /// By when the app must be dead if the guard hears nothing more from the backend, for the

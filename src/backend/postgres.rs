@@ -4,7 +4,8 @@
 //! As with MySQL, the session is the lock: the server frees it only when the session ends.
 //! - Every setting that lets the server end a silent session on its own (`idle_session_timeout`,
 //!   `tcp_user_timeout`, the TCP keepalive idle time) is set for the session to at least
-//!   `check-interval + check-timeout + grace + margin`, and read back; those that end a session
+//!   `Timings::session_timeout_secs` (a lock wait + check-interval + 2 x check-timeout + grace +
+//!   margin), and read back; those that end a session
 //!   whatever its client does (`client_connection_check_interval`, `statement_timeout`,
 //!   `transaction_timeout`) are switched off. So the server frees the lock of a silent guard only
 //!   after the guard has noticed the silence and stopped its app.

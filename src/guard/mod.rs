@@ -358,8 +358,9 @@ impl Guard<'_> {
     ) -> Result<HeldLock, Finished> {
         let previous = held.previous();
         let (delay, reason) = match (self.config.takeover_delay, previous) {
-            // A fixed delay is skipped only where it always was, after a Redis lease its owner
-            // released (`HeldLock::released_cleanly`): a duration set by hand is waited as asked.
+            // A fixed delay is skipped only after a lease its owner released where that record
+            // survives a failover (Redis, etcd: `HeldLock::released_cleanly`): a duration set by
+            // hand is otherwise waited as asked.
             (TakeoverDelay::Fixed(delay), _) if !held.released_cleanly() => {
                 (delay, previous.reason())
             }
