@@ -1295,6 +1295,17 @@ impl Timings {
         self.check_interval + self.check_timeout
     }
 
+    /// The longest a MySQL or PostgreSQL holder's app may outlive its lock being granted elsewhere
+    /// while the server still answers: what such a holder records, and what a standby waits when
+    /// the lock was taken away. A `KILL` is noticed at once; a primary demoted in place is noticed
+    /// only by the check after the one that last read it writable: that one's answer may arrive
+    /// `check-timeout` late, and the next reads the role after its `check-interval` sleep and may
+    /// answer `check-timeout` late too, so `check-interval + 2 x check-timeout`, then the grace
+    /// period. (A silent server frees the lock only after `session_timeout_secs`, longer still.)
+    pub fn session_loss_bound(&self) -> Duration {
+        self.check_interval + 2 * self.check_timeout + self.grace_period
+    }
+
     /// The shortest time, in whole seconds, after which a server may end a silent session and free
     /// its lock: MySQL's `wait_timeout`; PostgreSQL's `idle_session_timeout`, `tcp_user_timeout` and
     /// TCP keepalive idle time. The guard has detected the silence and killed its command by then.

@@ -66,10 +66,9 @@ pub fn render(config: &Config, json_output: bool) -> String {
             t,
             config.takeover_delay,
             false,
-            redis.min_replicas > 0,
-            redis.topology() != "primary",
+            !redis.release_marker_survives_failover(),
         ),
-        Target::Etcd(_) => lease(t, config.takeover_delay, true, true, false),
+        Target::Etcd(_) => lease(t, config.takeover_delay, true, false),
         Target::File(_) => file(t, config.takeover_delay),
     };
     let exceptions = exceptions(config, target);
@@ -151,12 +150,22 @@ fn delay_after_loss(delay: TakeoverDelay, bound: Duration) -> Duration {
     }
 }
 
+/// What a standby waits after a dead guard's watchdog recorded `tree_gone`: nothing with `auto`; a
+/// fixed delay is skipped only after a release (`HeldLock::released_cleanly`), so it is waited.
+fn delay_after_tree_gone(delay: TakeoverDelay) -> Duration {
+    match delay {
+        TakeoverDelay::Auto => Duration::ZERO,
+        TakeoverDelay::Fixed(d) => d,
+    }
+}
+
 /// MySQL and PostgreSQL: a lock on a session the guard proves alive every check; the server ends a
 /// silent session after the timeout the guard sets on it.
 fn session(t: &Timings, delay: TakeoverDelay, target: &Target) -> (Vec<Quantity>, Vec<Fault>) {
-    let detection = t.detection_bound();
-    let bound = detection + t.grace_period;
+    let bound = t.session_loss_bound();
     let session_timeout = Duration::from_secs(t.session_timeout_secs());
+    let after_answer = t.worst_answer_to_deadline();
+    let demoted = t.check_interval + 2 * t.check_timeout;
     let timeout_name = match target {
         Target::Mysql(_) => "wait_timeout",
         _ => "idle_session_timeout (and tcp_user_timeout, keepalive idle)",
@@ -165,7 +174,7 @@ fn session(t: &Timings, delay: TakeoverDelay, target: &Target) -> (Vec<Quantity>
     let quantities = vec![
         Quantity {
             name: "detection bound",
-            value: detection,
+            value: t.detection_bound(),
             formula: "--check-interval + --check-timeout: a check unanswered by then is a loss"
                 .to_owned(),
         },
@@ -177,7 +186,7 @@ fn session(t: &Timings, delay: TakeoverDelay, target: &Target) -> (Vec<Quantity>
         Quantity {
             name: "recorded bound",
             value: bound,
-            formula: "detection bound + grace period: what a holder records as the longest its app may outlive the lock".to_owned(),
+            formula: "--check-interval + 2 x --check-timeout + grace period: the longest a holder's app may outlive a lock taken away while the server answers (a primary demoted in place is noticed at the check after next)".to_owned(),
         },
         Quantity {
             name: "server session timeout",
@@ -195,22 +204,22 @@ fn session(t: &Timings, delay: TakeoverDelay, target: &Target) -> (Vec<Quantity>
             app_dead: Some(t.grace_period),
             lock_free: Some(Duration::ZERO),
             delay: Some(taken_away),
-            note: "the record still says held: the standby waits the holder's recorded bound",
+            note: "the record still says held, or comes from another server incarnation: the standby waits the holder's recorded bound (or its own, if larger)",
         },
         Fault {
             fault: "the server falls silent or is partitioned from the guard",
             from: "the server's last answer",
-            noticed: Some(detection),
-            app_dead: Some(t.worst_answer_to_deadline()),
+            noticed: Some(after_answer.saturating_sub(t.grace_period)),
+            app_dead: Some(after_answer),
             lock_free: Some(session_timeout),
             delay: Some(taken_away),
             note: "",
         },
         Fault {
             fault: "the guard is frozen (SIGSTOP, docker pause of the guard alone)",
-            from: "the last proof of ownership",
-            noticed: Some(detection),
-            app_dead: Some(bound),
+            from: "the server's last answer",
+            noticed: Some(after_answer.saturating_sub(t.grace_period)),
+            app_dead: Some(after_answer),
             lock_free: Some(session_timeout),
             delay: Some(taken_away),
             note: "the watchdog stops the app on the guard's deadline",
@@ -221,17 +230,17 @@ fn session(t: &Timings, delay: TakeoverDelay, target: &Target) -> (Vec<Quantity>
             noticed: Some(Duration::ZERO),
             app_dead: Some(Duration::ZERO),
             lock_free: Some(Duration::ZERO),
-            delay: Some(Duration::ZERO),
-            note: "the watchdog kills the app's tree, records tree_gone and ends the session: a clean hand-over",
+            delay: Some(delay_after_tree_gone(delay)),
+            note: "the watchdog kills the app's tree, records tree_gone, then ends the session",
         },
         Fault {
-            fault: "the server is demoted in place (read_only, recovery)",
+            fault: "the server is demoted in place (read_only, recovery) and another is promoted",
             from: "the demotion",
-            noticed: Some(t.check_interval),
-            app_dead: Some(t.check_interval + t.grace_period),
+            noticed: Some(demoted),
+            app_dead: Some(demoted + t.grace_period),
             lock_free: Some(Duration::ZERO),
-            delay: Some(delay_after_loss(delay, bound)),
-            note: "the new primary's record is from another server: the standby waits the larger bound",
+            delay: Some(taken_away),
+            note: "the check after next reads the new role; the new primary's record is from another server",
         },
     ];
     (quantities, faults)
@@ -242,8 +251,7 @@ fn lease(
     t: &Timings,
     delay: TakeoverDelay,
     etcd: bool,
-    replicated: bool,
-    failover_possible: bool,
+    failover_loses_lease: bool,
 ) -> (Vec<Quantity>, Vec<Fault>) {
     let margin = t.lease_drift_margin();
     let validity = t.lease_validity();
@@ -268,12 +276,14 @@ fn lease(
         Quantity {
             name: "lease relied on",
             value: validity,
-            formula: "ttl - drift margin after each confirmed renewal was sent: the app's deadline".to_owned(),
+            formula: "ttl - drift margin after each confirmed renewal was sent: the app's deadline"
+                .to_owned(),
         },
         Quantity {
             name: "stop begins",
             value: stop_at,
-            formula: "lease relied on - grace period after the last confirmed renewal, if none since".to_owned(),
+            formula: "lease relied on - grace period after the last confirmed renewal, if none since"
+                .to_owned(),
         },
         Quantity {
             name: "recorded bound",
@@ -281,7 +291,17 @@ fn lease(
             formula: "ttl + grace period: what a holder records as the longest its app may outlive the lock".to_owned(),
         },
     ];
-    let noticed_loss = t.renew_interval + t.check_timeout;
+    // A renewal is due every renew-interval and bounded by check-timeout; on Redis a role query of
+    // half a check-timeout goes first, and a "not owner" answer counts however late it comes.
+    let noticed_loss = t.renew_interval
+        + t.check_timeout
+        + if etcd {
+            Duration::ZERO
+        } else {
+            t.check_timeout / 2
+        };
+    let stopped_after_loss = (noticed_loss + t.grace_period).min(validity);
+    let taken_away = delay_after_loss(delay, bound);
     let mut faults = vec![
         Fault {
             fault: if etcd {
@@ -291,9 +311,9 @@ fn lease(
             },
             from: "the fault",
             noticed: Some(noticed_loss),
-            app_dead: Some((noticed_loss + t.grace_period).min(validity)),
+            app_dead: Some(stopped_after_loss),
             lock_free: Some(Duration::ZERO),
-            delay: Some(delay_after_loss(delay, bound)),
+            delay: Some(taken_away),
             note: "the next renewal finds the key gone",
         },
         Fault {
@@ -302,53 +322,44 @@ fn lease(
             noticed: Some(stop_at),
             app_dead: Some(validity),
             lock_free: Some(t.ttl),
-            delay: Some(delay_after_loss(delay, bound)),
-            note: "the lease runs out on the server; the record says expired",
-        },
-        Fault {
-            fault: "the guard is killed (SIGKILL, OOM)",
-            from: if etcd {
-                "the fault"
-            } else {
-                "the last confirmed renewal"
-            },
-            noticed: Some(Duration::ZERO),
-            // Killed before the next renewal was confirmed, and its app with it.
-            app_dead: Some(if etcd { Duration::ZERO } else { noticed_loss }),
-            lock_free: Some(if etcd { Duration::ZERO } else { t.ttl }),
-            delay: Some(if etcd {
-                Duration::ZERO
-            } else {
-                delay_after_loss(delay, bound)
-            }),
+            delay: Some(taken_away),
             note: if etcd {
-                "the watchdog kills the app's tree, records tree_gone and revokes the lease: a clean hand-over"
+                "the lease runs out on the server; the record still says held"
             } else {
-                "the watchdog kills the app's tree; the lease runs out on its own"
+                "the lease runs out on the server; the record says expired"
             },
         },
     ];
-    if failover_possible {
+    faults.push(if etcd {
+        Fault {
+            fault: "the guard is killed (SIGKILL, OOM)",
+            from: "the fault",
+            noticed: Some(Duration::ZERO),
+            app_dead: Some(Duration::ZERO),
+            lock_free: Some(Duration::ZERO),
+            delay: Some(delay_after_tree_gone(delay)),
+            note: "the watchdog kills the app's tree, records tree_gone and revokes the lease",
+        }
+    } else {
+        Fault {
+            fault: "the guard is killed (SIGKILL, OOM)",
+            from: "the last confirmed renewal",
+            noticed: Some(Duration::ZERO),
+            app_dead: Some(validity),
+            lock_free: Some(t.ttl),
+            delay: Some(taken_away),
+            note: "the watchdog kills the app's tree; the lease runs out on its own",
+        }
+    });
+    if failover_loses_lease {
         faults.push(Fault {
-            fault: "a failover to a replica",
+            fault: "a failover to a replica that lacks the lease",
             from: "the failover",
-            noticed: Some(if replicated {
-                Duration::ZERO
-            } else {
-                noticed_loss
-            }),
-            app_dead: Some((noticed_loss + t.grace_period).min(validity)),
-            lock_free: if replicated {
-                None
-            } else {
-                Some(Duration::ZERO)
-            },
-            delay: Some(delay_after_loss(delay, bound)),
-            note: if replicated {
-                "--redis-min-replicas: the new primary has the lease, which stays ours"
-            } else {
-                "without --redis-min-replicas the new primary may not have the lease"
-            },
+            noticed: Some(noticed_loss),
+            app_dead: Some(stopped_after_loss),
+            lock_free: Some(Duration::ZERO),
+            delay: Some(taken_away),
+            note: "without --redis-min-replicas the new primary may not have the lease",
         });
     }
     (quantities, faults)
@@ -382,7 +393,7 @@ fn file(t: &Timings, delay: TakeoverDelay) -> (Vec<Quantity>, Vec<Fault>) {
             note: "a new file has no record: the standby waits its own bound",
         },
         Fault {
-            fault: "the guard is frozen (SIGSTOP)",
+            fault: "the guard is frozen (SIGSTOP), on a local file system",
             from: "the fault",
             noticed: None,
             app_dead: None,
@@ -391,13 +402,13 @@ fn file(t: &Timings, delay: TakeoverDelay) -> (Vec<Quantity>, Vec<Fault>) {
             note: "the kernel keeps a frozen guard's flock: no one else can take it meanwhile",
         },
         Fault {
-            fault: "the guard is killed (SIGKILL, OOM)",
+            fault: "the guard is killed (SIGKILL, OOM), on a local file system",
             from: "the fault",
             noticed: Some(Duration::ZERO),
             app_dead: Some(Duration::ZERO),
             lock_free: Some(Duration::ZERO),
-            delay: Some(Duration::ZERO),
-            note: "the watchdog keeps the locked descriptor until the app's tree is gone, and records tree_gone",
+            delay: Some(delay_after_tree_gone(delay)),
+            note: "the watchdog keeps the locked descriptor until the app's tree is gone; the next holder, holding the kernel's lock, knows the tree is gone",
         },
     ];
     (quantities, faults)
@@ -422,15 +433,27 @@ fn exceptions(config: &Config, target: &Target) -> Vec<String> {
             "Redis failover without --redis-min-replicas: the new primary may not have the lease; the takeover delay covers it, and no hand-over is instant"
                 .to_owned(),
         ),
-        Target::Redis(_) => said.push(
-            "Redis: the server's wall clock stepped forward expires the lease early; the takeover delay covers it"
-                .to_owned(),
-        ),
+        Target::Redis(redis) => {
+            if redis.topology() != "primary" {
+                said.push(
+                    "Redis failover with --redis-min-replicas: the lease survives only if the promoted replica acknowledged it and the servers' clocks agree; otherwise as without it"
+                        .to_owned(),
+                );
+            }
+            said.push(
+                "Redis: the server's wall clock stepped forward expires the lease early; the takeover delay covers it"
+                    .to_owned(),
+            );
+        }
         Target::Mysql(_) | Target::Postgres(_) => said.push(
             "where the lock record cannot be kept (no database in the URL, no CREATE), every acquisition waits the standby's own bound"
                 .to_owned(),
         ),
-        Target::Etcd(_) | Target::File(_) => {}
+        Target::File(_) => said.push(
+            "on a network or user-space file system (NFS, SMB, FUSE) the server may drop a lock while its descriptors stay open: the next holder waits the larger bound, and a frozen guard's lock is not kept"
+                .to_owned(),
+        ),
+        Target::Etcd(_) => {}
     }
     said
 }

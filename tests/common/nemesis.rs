@@ -43,8 +43,9 @@ const LIVENESS: Duration = Duration::from_secs(45);
 /// A fault lasts at most this long.
 const LONGEST_FAULT: Duration = Duration::from_secs(3);
 /// A whole tree is frozen at most this long. A standby may take a lock the backend took away at
-/// once and wait only the old holder's bound (3s with the shortest timings here: check interval
-/// 200ms + check timeout 800ms + grace period 2s); a tree thawed after that wait ended is the
+/// once and wait only the old holder's bound (3s with the shortest timings here, a lock file's:
+/// check interval 200ms + check timeout 800ms + grace period 2s; a session lock's adds another
+/// check timeout); a tree thawed after that wait ended is the
 /// documented limit of docs/guarantees.md ("Frozen or suspended past the deadline"), not a fault
 /// the guard claims to survive. Thawing comes first at every heal, so nothing lengthens a freeze.
 const LONGEST_FREEZE: Duration = Duration::from_secs(2);
