@@ -211,7 +211,7 @@ fn startup(report: &mut Report, servers: &Servers, settings: &Settings) {
     for backend in servers.with_etcd() {
         // A start after a clean exit, as every restart of a job is: the lock record says
         // `released`, so the default `--takeover-delay auto` does not wait. The very first start of
-        // a name has no record and waits its bound (15s with the defaults, 13s for a lock file), once; it is run here
+        // a name has no record and waits its bound (17s with the defaults, 13s for a lock file), once; it is run here
         // before the timed rounds, untimed.
         let url = servers.url(backend);
         let name = format!("startup-{}", now_ns());

@@ -56,9 +56,9 @@
 /* session_timeout_secs: ceil(chunk + interval + 2 x timeout + grace + margin) = 13s */
 #define SERVER_TIMEOUT (CHUNK + I + 2 * T + G + MARGIN)
 #endif
-/* session_loss_bound: the "app dead by" bound in the lock record (own_bound); 2 x timeout for a
- * primary demoted in place, which this model leaves out */
-#define BOUND (I + 2 * T + G)
+/* worst_answer_to_deadline: the "app dead by" bound in the lock record (own_bound); chunk and
+ * 2 x timeout for a primary demoted in place, which this model leaves out */
+#define BOUND (CHUNK + I + 2 * T + G)
 #define SLACK 1      /* the watchdog's 200ms after a healthy guard's stop, rounded up */
 #ifndef HORIZON
 #define HORIZON 40
@@ -989,8 +989,8 @@ inline rules() {
 	 * SESSION_SAFETY_MARGIN), in whole seconds */
 	assert(ms(SERVER_TIMEOUT) == 2000 + ms(I) + 2 * ms(T) + ms(G) + 5000);
 	assert(ms(CHUNK) == 2000 && ms(MARGIN) == 5000);
-	/* own_bound = session_loss_bound: interval + 2 x timeout + grace */
-	assert(BOUND == I + 2 * T + G)
+	/* own_bound = worst_answer_to_deadline: chunk + interval + 2 x timeout + grace */
+	assert(BOUND == CHUNK + I + 2 * T + G)
 #endif
 #ifdef LEASE
 	/* lease_validity = ttl - lease_drift_margin, margin = ttl / 100 + 100ms; rounded up to a

@@ -1295,17 +1295,6 @@ impl Timings {
         self.check_interval + self.check_timeout
     }
 
-    /// The longest a MySQL or PostgreSQL holder's app may outlive its lock being granted elsewhere
-    /// while the server still answers: what such a holder records, and what a standby waits when
-    /// the lock was taken away. A `KILL` is noticed at once; a primary demoted in place is noticed
-    /// only by the check after the one that last read it writable: that one's answer may arrive
-    /// `check-timeout` late, and the next reads the role after its `check-interval` sleep and may
-    /// answer `check-timeout` late too, so `check-interval + 2 x check-timeout`, then the grace
-    /// period. (A silent server frees the lock only after `session_timeout_secs`, longer still.)
-    pub fn session_loss_bound(&self) -> Duration {
-        self.check_interval + 2 * self.check_timeout + self.grace_period
-    }
-
     /// The shortest time, in whole seconds, after which a server may end a silent session and free
     /// its lock: MySQL's `wait_timeout`; PostgreSQL's `idle_session_timeout`, `tcp_user_timeout` and
     /// TCP keepalive idle time. The guard has detected the silence and killed its command by then.
@@ -1329,7 +1318,11 @@ impl Timings {
     }
 
     /// The longest the guard can rely on a lock after the server sent its last answer (see
-    /// `session_timeout_secs`).
+    /// `session_timeout_secs`). Also what a MySQL or PostgreSQL holder records as the longest its
+    /// app may outlive a lock taken away while the server still answers, and a standby's own bound:
+    /// a primary demoted in place (a switchover) right after an answer that found it writable is
+    /// noticed only by a later answer, which may come this late (right after a grant, a lock wait
+    /// chunk and the record's statements go first).
     pub fn worst_answer_to_deadline(&self) -> Duration {
         MAX_LOCK_WAIT_CHUNK + self.check_interval + 2 * self.check_timeout + self.grace_period
     }

@@ -162,10 +162,10 @@ fn delay_after_tree_gone(delay: TakeoverDelay) -> Duration {
 /// MySQL and PostgreSQL: a lock on a session the guard proves alive every check; the server ends a
 /// silent session after the timeout the guard sets on it.
 fn session(t: &Timings, delay: TakeoverDelay, target: &Target) -> (Vec<Quantity>, Vec<Fault>) {
-    let bound = t.session_loss_bound();
+    let bound = t.worst_answer_to_deadline();
     let session_timeout = Duration::from_secs(t.session_timeout_secs());
     let after_answer = t.worst_answer_to_deadline();
-    let demoted = t.check_interval + 2 * t.check_timeout;
+    let demoted = after_answer.saturating_sub(t.grace_period);
     let timeout_name = match target {
         Target::Mysql(_) => "wait_timeout",
         _ => "idle_session_timeout (and tcp_user_timeout, keepalive idle)",
@@ -186,7 +186,7 @@ fn session(t: &Timings, delay: TakeoverDelay, target: &Target) -> (Vec<Quantity>
         Quantity {
             name: "recorded bound",
             value: bound,
-            formula: "--check-interval + 2 x --check-timeout + grace period: the longest a holder's app may outlive a lock taken away while the server answers (a primary demoted in place is noticed at the check after next)".to_owned(),
+            formula: "2s (a lock wait) + --check-interval + 2 x --check-timeout + grace period: the longest a holder's app may outlive a lock taken away while the server still answers (a primary demoted in place is noticed only by a later answer)".to_owned(),
         },
         Quantity {
             name: "server session timeout",
@@ -235,12 +235,12 @@ fn session(t: &Timings, delay: TakeoverDelay, target: &Target) -> (Vec<Quantity>
         },
         Fault {
             fault: "the server is demoted in place (read_only, recovery) and another is promoted",
-            from: "the demotion",
+            from: "the demotion (before the new primary is promoted)",
             noticed: Some(demoted),
             app_dead: Some(demoted + t.grace_period),
             lock_free: Some(Duration::ZERO),
             delay: Some(taken_away),
-            note: "the check after next reads the new role; the new primary's record is from another server",
+            note: "a later check reads the new role; the new primary's record is from another server. A primary never demoted (an unplanned failover) is not noticed at all",
         },
     ];
     (quantities, faults)

@@ -77,8 +77,9 @@ fn mysql_in_a_real_engine() {
     let mut scene = Scene::new(engine, "mysql", &url, &url, &timings);
     scene.scale_then_stop();
     // `docker kill` ends the watchdog with the guard, so nothing marks the tree gone: the standby
-    // waits the bound the leader recorded (check-interval + check-timeout + grace = 2s).
-    scene.standby_kill_then_pause(Duration::from_secs(3), Some(Duration::from_secs(30)));
+    // waits the bound the leader recorded (2s lock wait + check-interval + 2 x check-timeout +
+    // grace = 4.8s).
+    scene.standby_kill_then_pause(Duration::from_secs(6), Some(Duration::from_secs(30)));
     scene.ctrl_c_in_a_terminal();
     scene.finish();
 }

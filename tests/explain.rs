@@ -73,7 +73,7 @@ fn the_defaults_leave_no_overlap_on_any_backend_and_the_numbers_are_the_guards()
         assert!(!text.contains(":pw@"), "{url}: a password printed: {text}");
     }
     // MySQL with the defaults: detection 1s + 2s, the server's wait_timeout 2 + 1 + 2x2 + 10 + 5,
-    // and the recorded bound 1 + 2x2 + 10.
+    // and the recorded bound 2 + 1 + 2x2 + 10.
     let mysql = json(
         &lab,
         &["--url", "mysql://guard:pw@db.example/app", "--name", "n"],
@@ -92,7 +92,7 @@ fn the_defaults_leave_no_overlap_on_any_backend_and_the_numbers_are_the_guards()
     assert_eq!(quantity("server session timeout"), 22_000);
     let killed = fault(&mysql, "the guard's session is killed");
     assert_eq!(killed["app_dead_ms"], 10_000);
-    assert_eq!(killed["standby_starts_ms"], 15_000);
+    assert_eq!(killed["standby_starts_ms"], 17_000);
     // Redis with the defaults: the lease relied on is 30s less 400ms.
     let redis = json(&lab, &["--url", "redis://cache.example", "--name", "n"]);
     let silent = fault(&redis, "the server falls silent");

@@ -20,8 +20,8 @@ const READER_UID: u32 = 64_931;
 
 /// A switchover that demotes the old primary in place (`read_only=ON`) and points clients at a new
 /// one: the old guard must stop its app, with a reason of its own, before a guard on the new primary
-/// may start one. The new guard waits a takeover delay that covers the old one's detection bound and
-/// stop, as the docs tell an operator to; before this was fixed the old app ran for ever.
+/// may start one. The new guard finds no record there and waits its own bound, which covers the old
+/// one's noticing the new role and its stop; before this was fixed the old app ran for ever.
 #[test]
 fn a_primary_demoted_in_place_stops_its_app_before_the_new_primarys_guard_starts_one() {
     let old = MariaDb::start();
@@ -39,7 +39,7 @@ fn a_primary_demoted_in_place_stops_its_app_before_the_new_primarys_guard_starts
     old.sql("SET GLOBAL read_only = 1");
     let new_url = new.url();
     let mut standby = lab.spawn(
-        &lock_args(&new_url, "switchover", &["--takeover-delay", "3s"]),
+        &lock_args(&new_url, "switchover", &["--takeover-delay", "auto"]),
         &as_strs(&recording_app(&trace, &new_pid)),
     );
 

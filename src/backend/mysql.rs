@@ -865,7 +865,7 @@ async fn take_record(
 ) -> Result<(Previous, u64, bool), LockError> {
     let (name, holder) = (request.name.as_str(), &request.holder.id);
     let timings = request.timings;
-    let own_bound = timings.session_loss_bound();
+    let own_bound = timings.worst_answer_to_deadline();
     let limit = timings.check_timeout;
     let read = record_table::read_sql(name, INCARNATION);
     let write = |incarnation: &str| {
