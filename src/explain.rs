@@ -150,12 +150,21 @@ fn delay_after_loss(delay: TakeoverDelay, bound: Duration) -> Duration {
     }
 }
 
-/// What a standby waits after a dead guard's watchdog recorded `tree_gone`: nothing with `auto`; a
-/// fixed delay is skipped only after a release (`HeldLock::released_cleanly`), so it is waited.
-fn delay_after_tree_gone(delay: TakeoverDelay) -> Duration {
-    match delay {
-        TakeoverDelay::Auto => Duration::ZERO,
-        TakeoverDelay::Fixed(d) => d,
+/// A guard killed whose watchdog stops the app's tree at once and hands the lock over once it is
+/// gone (`tree_gone`): nothing to wait with `auto`; a fixed delay is skipped only after a release
+/// (`HeldLock::released_cleanly`), so it is waited.
+fn killed_cleanly(fault: &'static str, delay: TakeoverDelay, note: &'static str) -> Fault {
+    Fault {
+        fault,
+        from: "the fault",
+        noticed: Some(Duration::ZERO),
+        app_dead: Some(Duration::ZERO),
+        lock_free: Some(Duration::ZERO),
+        delay: Some(match delay {
+            TakeoverDelay::Auto => Duration::ZERO,
+            TakeoverDelay::Fixed(d) => d,
+        }),
+        note,
     }
 }
 
@@ -224,15 +233,11 @@ fn session(t: &Timings, delay: TakeoverDelay, target: &Target) -> (Vec<Quantity>
             delay: Some(taken_away),
             note: "the watchdog stops the app on the guard's deadline",
         },
-        Fault {
-            fault: "the guard is killed (SIGKILL, OOM)",
-            from: "the fault",
-            noticed: Some(Duration::ZERO),
-            app_dead: Some(Duration::ZERO),
-            lock_free: Some(Duration::ZERO),
-            delay: Some(delay_after_tree_gone(delay)),
-            note: "the watchdog kills the app's tree, records tree_gone, then ends the session",
-        },
+        killed_cleanly(
+            "the guard is killed (SIGKILL, OOM)",
+            delay,
+            "the watchdog kills the app's tree, records tree_gone, then ends the session",
+        ),
         Fault {
             fault: "the server is demoted in place (read_only, recovery) and another is promoted",
             from: "the demotion (before the new primary is promoted)",
@@ -331,15 +336,11 @@ fn lease(
         },
     ];
     faults.push(if etcd {
-        Fault {
-            fault: "the guard is killed (SIGKILL, OOM)",
-            from: "the fault",
-            noticed: Some(Duration::ZERO),
-            app_dead: Some(Duration::ZERO),
-            lock_free: Some(Duration::ZERO),
-            delay: Some(delay_after_tree_gone(delay)),
-            note: "the watchdog kills the app's tree, records tree_gone and revokes the lease",
-        }
+        killed_cleanly(
+            "the guard is killed (SIGKILL, OOM)",
+            delay,
+            "the watchdog kills the app's tree, records tree_gone and revokes the lease",
+        )
     } else {
         Fault {
             fault: "the guard is killed (SIGKILL, OOM)",
@@ -401,15 +402,11 @@ fn file(t: &Timings, delay: TakeoverDelay) -> (Vec<Quantity>, Vec<Fault>) {
             delay: None,
             note: "the kernel keeps a frozen guard's flock: no one else can take it meanwhile",
         },
-        Fault {
-            fault: "the guard is killed (SIGKILL, OOM), on a local file system",
-            from: "the fault",
-            noticed: Some(Duration::ZERO),
-            app_dead: Some(Duration::ZERO),
-            lock_free: Some(Duration::ZERO),
-            delay: Some(delay_after_tree_gone(delay)),
-            note: "the watchdog keeps the locked descriptor until the app's tree is gone; the next holder, holding the kernel's lock, knows the tree is gone",
-        },
+        killed_cleanly(
+            "the guard is killed (SIGKILL, OOM), on a local file system",
+            delay,
+            "the watchdog keeps the locked descriptor until the app's tree is gone; the next holder, holding the kernel's lock, knows the tree is gone",
+        ),
     ];
     (quantities, faults)
 }

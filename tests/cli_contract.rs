@@ -509,27 +509,17 @@ fn the_command_line_wins_over_the_environment_and_status_agrees_with_the_guard()
 fn status_takes_the_guards_check_timeout_minimum() {
     let lab = Lab::new();
     let url = lab.file_url("min.lock");
-    for args in [
-        vec![
-            "status",
-            "--url",
-            url.as_str(),
-            "--name",
-            "m",
-            "--check-timeout",
-            "1ms",
-        ],
-        vec![
-            "--url",
-            url.as_str(),
-            "--name",
-            "m",
-            "--check-timeout",
-            "1ms",
-            "--",
-            "true",
-        ],
-    ] {
+    let lock = [
+        "--url",
+        url.as_str(),
+        "--name",
+        "m",
+        "--check-timeout",
+        "1ms",
+    ];
+    let status: Vec<&str> = std::iter::once("status").chain(lock).collect();
+    let guard: Vec<&str> = lock.into_iter().chain(["--", "true"]).collect();
+    for args in [status, guard] {
         let out = lab
             .command(&args, &[])
             .stderr(std::process::Stdio::piped())

@@ -103,32 +103,20 @@ fn the_defaults_leave_no_overlap_on_any_backend_and_the_numbers_are_the_guards()
 #[test]
 fn a_takeover_delay_too_short_is_shown_as_a_possible_overlap() {
     let lab = Lab::with_default_takeover();
-    let out = explain(
-        &lab,
-        &[
-            "--url",
-            "mysql://guard:pw@db.example/app",
-            "--name",
-            "n",
-            "--takeover-delay",
-            "2s",
-        ],
-    );
+    let args = [
+        "--url",
+        "mysql://guard:pw@db.example/app",
+        "--name",
+        "n",
+        "--takeover-delay",
+        "2s",
+    ];
+    let out = explain(&lab, &args);
     assert_eq!(out.status.code(), Some(0));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("OVERLAP POSSIBLE"), "{text}");
     assert!(text.contains("--takeover-delay 2s"), "{text}");
-    let mysql = json(
-        &lab,
-        &[
-            "--url",
-            "mysql://guard:pw@db.example/app",
-            "--name",
-            "n",
-            "--takeover-delay",
-            "2s",
-        ],
-    );
+    let mysql = json(&lab, &args);
     assert_eq!(
         fault(&mysql, "the guard's session is killed")["no_overlap"],
         false
