@@ -179,9 +179,9 @@ impl Guard<'_> {
                             reason: LossReason::WatchdogDied,
                             detail: "the watchdog process exited; the app may not run without it".to_owned(),
                         }),
-                        Event::ProbeEnded(status) => {
+                        Event::HealthCheckEnded(status) => {
                             // What the check left behind goes with it.
-                            app.end_probe();
+                            app.end_health_check();
                             if let Some(health) = health.as_mut() {
                                 let end = if status == AppStatus::Exited(0) { CheckEnd::Passed } else { CheckEnd::Failed };
                                 let verdict = health.ended(end, Deadline::now());
@@ -197,7 +197,7 @@ impl Guard<'_> {
                         if is_shutdown(signal) && kill_at.is_none() {
                             self.stop_requested.set(true);
                             // A stop asked for is not undone by a check: none runs from here on.
-                            app.kill_probe();
+                            app.kill_health_check();
                             health = None;
                             kill_at = Some(Deadline::after(config.timings.grace_period));
                             notify::stopping(&format!("stopping: {} forwarded to the app", signal_name(signal)));
@@ -214,7 +214,7 @@ impl Guard<'_> {
                         let (verdict, how) = if health.running() {
                             (health.lingers(Deadline::now()), "killed at its timeout, and still not ended".to_owned())
                         } else {
-                            match app.start_probe(&check.command, &env) {
+                            match app.start_health_check(&check.command, &env) {
                                 Ok(_) => {
                                     // Timed from its exec, not from before the fork.
                                     health.started(Deadline::now());
@@ -230,7 +230,7 @@ impl Guard<'_> {
                     () = at(check_kill_at) => {
                         let Some(health) = health.as_mut() else { continue };
                         // Kill first, count after.
-                        app.kill_probe();
+                        app.kill_health_check();
                         let verdict = health.timed_out(Deadline::now());
                         let how = format!("still running after {}; killed", crate::vocab::show_duration(health.timeout()));
                         if let Some(ending) = self.health_said(health, verdict, &how) {

@@ -52,8 +52,8 @@ pub enum Event {
     WatchdogEnded {
         acted: bool,
     },
-    /// The health check started by `start_probe` ended.
-    ProbeEnded(AppStatus),
+    /// The health check started by `start_health_check` ended.
+    HealthCheckEnded(AppStatus),
 }
 
 /// A finished teardown.
@@ -250,8 +250,8 @@ impl Supervisor {
             if let Some(status) = self.reaper.app_status() {
                 return Event::AppExited(status);
             }
-            if let Some(status) = self.reaper.take_probe_status() {
-                return Event::ProbeEnded(status);
+            if let Some(status) = self.reaper.take_health_check_status() {
+                return Event::HealthCheckEnded(status);
             }
             self.reaper.child_event(REAP_TICK).await;
         }
@@ -259,9 +259,9 @@ impl Supervisor {
 
     /// Starts a health check, `/bin/sh -c command`, whose end `next_event` reports. One runs at a
     /// time. It runs in a cgroup of its own below the app's, so a check that is killed or has ended
-    /// leaves nothing behind (`end_probe`), `setsid` or not; where there is no cgroup, in a process
+    /// leaves nothing behind (`end_health_check`), `setsid` or not; where there is no cgroup, in a process
     /// group of its own, and only the shell dies with the guard.
-    pub fn start_probe(&mut self, command: &str, env: &AppEnv<'_>) -> std::io::Result<Pid> {
+    pub fn start_health_check(&mut self, command: &str, env: &AppEnv<'_>) -> std::io::Result<Pid> {
         let entry = match &self.cgroup {
             Some(app) => self.checks.next(app),
             None => {
@@ -274,20 +274,20 @@ impl Supervisor {
         };
         let argv = ["/bin/sh".into(), "-c".into(), command.into()];
         let pid = spawn::spawn_helper(&argv, env, entry)?;
-        self.reaper.track_probe(pid);
+        self.reaper.track_health_check(pid);
         Ok(pid)
     }
 
     /// SIGKILL to the running health check and everything it started; its end is still reported.
-    pub fn kill_probe(&self) {
-        if let Some(probe) = self.reaper.probe() {
-            let _ = killpg(probe, Signal::SIGKILL);
+    pub fn kill_health_check(&self) {
+        if let Some(check) = self.reaper.health_check() {
+            let _ = killpg(check, Signal::SIGKILL);
         }
         self.checks.sweep();
     }
 
     /// SIGKILL to whatever an ended health check left in its cgroup.
-    pub fn end_probe(&self) {
+    pub fn end_health_check(&self) {
         self.checks.sweep();
     }
 

@@ -21,8 +21,8 @@ pub struct Reaper {
     watchdog: Option<Pid>,
     watchdog_status: Option<AppStatus>,
     /// The health check running, and how the last one ended until it is taken.
-    probe: Option<Pid>,
-    probe_status: Option<AppStatus>,
+    health_check: Option<Pid>,
+    health_check_status: Option<AppStatus>,
 }
 
 impl Reaper {
@@ -34,8 +34,8 @@ impl Reaper {
             app_status: None,
             watchdog: None,
             watchdog_status: None,
-            probe: None,
-            probe_status: None,
+            health_check: None,
+            health_check_status: None,
         })
     }
 
@@ -47,19 +47,19 @@ impl Reaper {
         self.watchdog = Some(watchdog);
     }
 
-    pub fn track_probe(&mut self, probe: Pid) {
-        self.probe = Some(probe);
-        self.probe_status = None;
+    pub fn track_health_check(&mut self, check: Pid) {
+        self.health_check = Some(check);
+        self.health_check_status = None;
     }
 
     /// The running health check, unreaped: its pid, and group id, are still its own.
-    pub fn probe(&self) -> Option<Pid> {
-        self.probe
+    pub fn health_check(&self) -> Option<Pid> {
+        self.health_check
     }
 
     /// How the last health check ended, once.
-    pub fn take_probe_status(&mut self) -> Option<AppStatus> {
-        self.probe_status.take()
+    pub fn take_health_check_status(&mut self) -> Option<AppStatus> {
+        self.health_check_status.take()
     }
 
     pub fn app_status(&self) -> Option<AppStatus> {
@@ -87,16 +87,16 @@ impl Reaper {
                 continue;
             }
             let is_watchdog = Some(child) == self.watchdog;
-            let is_probe = Some(child) == self.probe;
+            let is_health_check = Some(child) == self.health_check;
             match wait(child, libc::WNOHANG) {
                 Some(status) if is_watchdog => {
                     self.watchdog_status = Some(status);
                     // Reaped: its pid is free for any process now, which must not be mistaken for it.
                     self.watchdog = None;
                 }
-                Some(status) if is_probe => {
-                    self.probe_status = Some(status);
-                    self.probe = None;
+                Some(status) if is_health_check => {
+                    self.health_check_status = Some(status);
+                    self.health_check = None;
                 }
                 Some(status) => debug!(pid = child.as_raw(), %status, "reaped descendant"),
                 None if is_watchdog => {}
