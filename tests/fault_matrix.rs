@@ -172,7 +172,9 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
     });
     // Declared after the leader so it is dropped first: a frozen guard could not be waited for.
     let cgroup = cgroup;
-    let lead_app = read_pid(&lead_pid, Duration::from_secs(10));
+    // A fresh lock has no record, so the leader first waits its own bound (5.8s on MySQL and
+    // PostgreSQL with these timings), and a loaded machine adds to it.
+    let lead_app = read_pid(&lead_pid, Duration::from_secs(30));
     let mut standby = waiting_standby(
         &mut lab,
         &as_strs(&standby_args),
