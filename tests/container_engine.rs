@@ -737,10 +737,13 @@ fn prepare_engine() -> Result<Engine, String> {
 }
 
 /// Imports the image with packaging/docker/import-image.sh (the offline route the compose README
-/// documents), tagged by the binary's size and modification time so an unchanged build reuses it;
+/// documents), tagged by the guard binary's size and modification time so an unchanged build reuses it;
 /// older tags of the test image are removed.
 fn import_image() -> Result<String, String> {
-    let meta = fs::metadata(GUARD).map_err(|e| format!("{GUARD}: {e}"))?;
+    // The static release build when one is named (CI builds it: it is what the Dockerfile ships),
+    // else this build's binary.
+    let guard = std::env::var("SENTINEL_STATIC_GUARD").unwrap_or_else(|_| GUARD.to_owned());
+    let meta = fs::metadata(&guard).map_err(|e| format!("{guard}: {e}"))?;
     let modified = meta
         .modified()
         .ok()
@@ -762,7 +765,7 @@ fn import_image() -> Result<String, String> {
             Command::new("bash")
                 .arg(script)
                 .arg(&tag)
-                .arg(GUARD)
+                .arg(&guard)
                 .arg("/bin/date"),
             Duration::from_secs(120),
         )?;

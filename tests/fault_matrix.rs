@@ -4,8 +4,9 @@
 //! its start and stop in a shared trace and takes 500ms to stop. Then it injects one fault, measures
 //! how long until the leader's app is dead (detect) and until the standby's app starts (takeover),
 //! heals the fault, stops everything and checks: no two app lifetimes overlap, no app or guard
-//! process outlives the round. Each test prints its row of the table in docs/guarantees.md and
-//! writes it to `target/tmp/fault-matrix/`. `SENTINEL_MATRIX_ROUNDS` sets the rounds (default 2).
+//! process outlives the round. Each test is one cell of the table in docs/guarantees.md (one fault on
+//! one backend, `<fault>::<backend>`): it prints the cell and writes it to
+//! `target/tmp/fault-matrix/<fault>/<backend>.md`. `SENTINEL_MATRIX_ROUNDS` sets the rounds (default 2).
 
 mod common;
 
@@ -374,35 +375,39 @@ fn ms(d: Duration) -> String {
     format!("{}ms", d.as_millis())
 }
 
-/// Runs the rounds for each backend and records the row: `| fault | mysql | postgres | redis | file | etcd |`, each
-/// cell `overlaps/orphans, detect, takeover`.
-fn row(fault: Fault, label: &str, cells: &[(Kind, Expect)]) {
-    let mut columns = Vec::new();
-    for kind in [
-        Kind::Mysql,
-        Kind::Postgres,
-        Kind::Redis,
-        Kind::File,
-        Kind::Etcd,
-    ] {
-        let Some((_, expect)) = cells.iter().find(|(k, _)| *k == kind) else {
-            columns.push("n/a".to_owned());
-            continue;
-        };
-        let measured: Vec<Measured> = (0..rounds()).map(|_| round(kind, fault, expect)).collect();
-        let detect: Vec<_> = measured.iter().map(|m| m.detect).collect();
-        let takeover: Vec<_> = measured.iter().map(|m| m.takeover).collect();
-        columns.push(format!(
-            "0 / 0; detect {}; takeover {}",
-            show(&detect),
-            show(&takeover)
-        ));
-    }
-    let line = format!("| {label} | {} |", columns.join(" | "));
+/// Runs the rounds of `fault` on one backend and records the cell of its row,
+/// `overlaps/orphans, detect, takeover`.
+fn cell(fault: Fault, label: &str, kind: Kind, expect: Expect) {
+    let measured: Vec<Measured> = (0..rounds()).map(|_| round(kind, fault, &expect)).collect();
+    let detect: Vec<_> = measured.iter().map(|m| m.detect).collect();
+    let takeover: Vec<_> = measured.iter().map(|m| m.takeover).collect();
+    let line = format!(
+        "| {label} | {kind:?} | 0 / 0; detect {}; takeover {} |",
+        show(&detect),
+        show(&takeover)
+    );
     eprintln!("{line}");
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fault-matrix");
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("fault-matrix")
+        .join(format!("{fault:?}"));
     fs::create_dir_all(&dir).unwrap();
-    fs::write(dir.join(format!("{fault:?}.md")), format!("{line}\n")).unwrap();
+    fs::write(dir.join(format!("{kind:?}.md")), format!("{line}\n")).unwrap();
+}
+
+/// A row of the matrix: a module named after the fault with one test per backend it applies to
+/// (`<fault>::<backend>`), so the test runner spreads a row's cells over its threads.
+macro_rules! row {
+    ($row:ident, $fault:expr, $label:expr, [$($test:ident: $kind:ident => $expect:expr),+ $(,)?]) => {
+        mod $row {
+            use super::*;
+            $(
+                #[test]
+                fn $test() {
+                    cell($fault, $label, Kind::$kind, $expect);
+                }
+            )+
+        }
+    };
 }
 
 const STOPS_AND_HANDS_OVER: Expect = Expect {
@@ -410,199 +415,167 @@ const STOPS_AND_HANDS_OVER: Expect = Expect {
     standby_takes_over: true,
 };
 
-#[test]
-fn guard_sigkill() {
-    row(
-        Fault::GuardKill,
-        "guard SIGKILL",
-        &[
-            (Kind::Mysql, STOPS_AND_HANDS_OVER),
-            (Kind::Postgres, STOPS_AND_HANDS_OVER),
-            (Kind::Redis, STOPS_AND_HANDS_OVER),
-            (Kind::File, STOPS_AND_HANDS_OVER),
-            (Kind::Etcd, STOPS_AND_HANDS_OVER),
-        ],
-    );
-}
+row!(
+    guard_sigkill,
+    Fault::GuardKill,
+    "guard SIGKILL",
+    [
+        mysql: Mysql => STOPS_AND_HANDS_OVER,
+        postgres: Postgres => STOPS_AND_HANDS_OVER,
+        redis: Redis => STOPS_AND_HANDS_OVER,
+        file: File => STOPS_AND_HANDS_OVER,
+        etcd: Etcd => STOPS_AND_HANDS_OVER,
+    ]
+);
 
-#[test]
-fn guard_frozen() {
-    // A frozen guard keeps its flock: no one else can take it, so the app may go on.
-    row(
-        Fault::GuardFreeze,
-        "guard SIGSTOP",
-        &[
-            (Kind::Mysql, STOPS_AND_HANDS_OVER),
-            (Kind::Postgres, STOPS_AND_HANDS_OVER),
-            (Kind::Redis, STOPS_AND_HANDS_OVER),
-            (Kind::Etcd, STOPS_AND_HANDS_OVER),
-        ],
-    );
-}
+// A frozen guard keeps its flock: no one else can take it, so the app may go on.
+row!(
+    guard_frozen,
+    Fault::GuardFreeze,
+    "guard SIGSTOP",
+    [
+        mysql: Mysql => STOPS_AND_HANDS_OVER,
+        postgres: Postgres => STOPS_AND_HANDS_OVER,
+        redis: Redis => STOPS_AND_HANDS_OVER,
+        etcd: Etcd => STOPS_AND_HANDS_OVER,
+    ]
+);
 
-#[test]
-fn whole_tree_frozen() {
-    // Thawed once the standby holds the lock: the old app must die at once (no grace period), before
-    // the standby's takeover delay ends. A frozen flock is never granted elsewhere: n/a for files.
-    row(
-        Fault::TreeFreeze,
-        "whole tree frozen (cgroup freezer) past the lock's life; detect counted from the thaw",
-        &[
-            (Kind::Mysql, STOPS_AND_HANDS_OVER),
-            (Kind::Postgres, STOPS_AND_HANDS_OVER),
-            (Kind::Redis, STOPS_AND_HANDS_OVER),
-            (Kind::Etcd, STOPS_AND_HANDS_OVER),
-        ],
-    );
-}
+// Thawed once the standby holds the lock: the old app must die at once (no grace period), before
+// the standby's takeover delay ends. A frozen flock is never granted elsewhere: n/a for files.
+row!(
+    whole_tree_frozen,
+    Fault::TreeFreeze,
+    "whole tree frozen (cgroup freezer) past the lock's life; detect counted from the thaw",
+    [
+        mysql: Mysql => STOPS_AND_HANDS_OVER,
+        postgres: Postgres => STOPS_AND_HANDS_OVER,
+        redis: Redis => STOPS_AND_HANDS_OVER,
+        etcd: Etcd => STOPS_AND_HANDS_OVER,
+    ]
+);
 
-#[test]
-fn server_sigkill_then_restart() {
-    row(
-        Fault::ServerKill,
-        "server SIGKILL, restarted",
-        &[
-            (Kind::Mysql, STOPS_AND_HANDS_OVER),
-            (Kind::Postgres, STOPS_AND_HANDS_OVER),
-            (Kind::Redis, STOPS_AND_HANDS_OVER),
-        ],
-    );
-}
+row!(
+    server_sigkill_then_restart,
+    Fault::ServerKill,
+    "server SIGKILL, restarted",
+    [
+        mysql: Mysql => STOPS_AND_HANDS_OVER,
+        postgres: Postgres => STOPS_AND_HANDS_OVER,
+        redis: Redis => STOPS_AND_HANDS_OVER,
+    ]
+);
 
-#[test]
-fn server_frozen_then_resumed() {
-    row(
-        Fault::ServerFreeze,
-        "server SIGSTOP, resumed",
-        &[
-            (Kind::Mysql, STOPS_AND_HANDS_OVER),
-            (Kind::Postgres, STOPS_AND_HANDS_OVER),
-            (Kind::Redis, STOPS_AND_HANDS_OVER),
-            (Kind::Etcd, STOPS_AND_HANDS_OVER),
-        ],
-    );
-}
+row!(
+    server_frozen_then_resumed,
+    Fault::ServerFreeze,
+    "server SIGSTOP, resumed",
+    [
+        mysql: Mysql => STOPS_AND_HANDS_OVER,
+        postgres: Postgres => STOPS_AND_HANDS_OVER,
+        redis: Redis => STOPS_AND_HANDS_OVER,
+        etcd: Etcd => STOPS_AND_HANDS_OVER,
+    ]
+);
 
-#[test]
-fn server_restart() {
-    row(
-        Fault::ServerRestart,
-        "server restart (Redis: empty)",
-        &[
-            (Kind::Mysql, STOPS_AND_HANDS_OVER),
-            (Kind::Postgres, STOPS_AND_HANDS_OVER),
-            (Kind::Redis, STOPS_AND_HANDS_OVER),
-        ],
-    );
-}
+row!(
+    server_restart,
+    Fault::ServerRestart,
+    "server restart (Redis: empty)",
+    [
+        mysql: Mysql => STOPS_AND_HANDS_OVER,
+        postgres: Postgres => STOPS_AND_HANDS_OVER,
+        redis: Redis => STOPS_AND_HANDS_OVER,
+    ]
+);
 
-#[test]
-fn redis_restarted_from_a_stale_snapshot() {
-    // The snapshot's release marker is an earlier holder's: it must not let the standby start while
-    // the leader's app still stops.
-    row(
-        Fault::StaleSnapshot,
-        "Redis restarted from an older snapshot (an earlier clean release in it)",
-        &[(Kind::Redis, STOPS_AND_HANDS_OVER)],
-    );
-}
+// The snapshot's release marker is an earlier holder's: it must not let the standby start while
+// the leader's app still stops.
+row!(
+    redis_restarted_from_a_stale_snapshot,
+    Fault::StaleSnapshot,
+    "Redis restarted from an older snapshot (an earlier clean release in it)",
+    [
+        redis: Redis => STOPS_AND_HANDS_OVER,
+    ]
+);
 
-#[test]
-fn connection_killed() {
-    row(
-        Fault::ConnectionKill,
-        "`KILL <conn>` / `pg_terminate_backend`",
-        &[
-            (Kind::Mysql, STOPS_AND_HANDS_OVER),
-            (Kind::Postgres, STOPS_AND_HANDS_OVER),
-        ],
-    );
-}
+row!(
+    connection_killed,
+    Fault::ConnectionKill,
+    "`KILL <conn>` / `pg_terminate_backend`",
+    [
+        mysql: Mysql => STOPS_AND_HANDS_OVER,
+        postgres: Postgres => STOPS_AND_HANDS_OVER,
+    ]
+);
 
-#[test]
-fn client_kill() {
-    // A dropped connection is not a lost lease: the leader reconnects and keeps it.
-    row(
-        Fault::ClientKill,
-        "`CLIENT KILL` of the guard's connection",
-        &[(
-            Kind::Redis,
-            Expect {
-                leader_stops: false,
-                standby_takes_over: false,
-            },
-        )],
-    );
-}
+// A dropped connection is not a lost lease: the leader reconnects and keeps it.
+row!(
+    client_kill,
+    Fault::ClientKill,
+    "`CLIENT KILL` of the guard's connection",
+    [
+        redis: Redis => Expect { leader_stops: false, standby_takes_over: false, },
+    ]
+);
 
-#[test]
-fn key_deleted() {
-    row(
-        Fault::KeyDelete,
-        "key `DEL` (etcd: `etcdctl del`)",
-        &[
-            (Kind::Redis, STOPS_AND_HANDS_OVER),
-            (Kind::Etcd, STOPS_AND_HANDS_OVER),
-        ],
-    );
-}
+row!(
+    key_deleted,
+    Fault::KeyDelete,
+    "key `DEL` (etcd: `etcdctl del`)",
+    [
+        redis: Redis => STOPS_AND_HANDS_OVER,
+        etcd: Etcd => STOPS_AND_HANDS_OVER,
+    ]
+);
 
-#[test]
-fn key_overwritten() {
-    // The intruder's key never expires: the leader stops, and no guard may take over.
-    row(
-        Fault::KeyOverwrite,
-        "key overwritten",
-        &[(
-            Kind::Redis,
-            Expect {
-                leader_stops: true,
-                standby_takes_over: false,
-            },
-        )],
-    );
-}
+// The intruder's key never expires: the leader stops, and no guard may take over.
+row!(
+    key_overwritten,
+    Fault::KeyOverwrite,
+    "key overwritten",
+    [
+        redis: Redis => Expect { leader_stops: true, standby_takes_over: false, },
+    ]
+);
 
-#[test]
-fn lock_file_deleted() {
-    row(
-        Fault::LockFileDelete,
-        "lock file deleted",
-        &[(Kind::File, STOPS_AND_HANDS_OVER)],
-    );
-}
+row!(
+    lock_file_deleted,
+    Fault::LockFileDelete,
+    "lock file deleted",
+    [
+        file: File => STOPS_AND_HANDS_OVER,
+    ]
+);
 
-#[test]
-fn lock_file_replaced() {
-    row(
-        Fault::LockFileReplace,
-        "lock file replaced",
-        &[(Kind::File, STOPS_AND_HANDS_OVER)],
-    );
-}
+row!(
+    lock_file_replaced,
+    Fault::LockFileReplace,
+    "lock file replaced",
+    [
+        file: File => STOPS_AND_HANDS_OVER,
+    ]
+);
 
-#[test]
-fn network_partition() {
-    row(
-        Fault::Partition,
-        "network partition",
-        &[
-            (Kind::Mysql, STOPS_AND_HANDS_OVER),
-            (Kind::Postgres, STOPS_AND_HANDS_OVER),
-            (Kind::Redis, STOPS_AND_HANDS_OVER),
-            (Kind::Etcd, STOPS_AND_HANDS_OVER),
-        ],
-    );
-}
+row!(
+    network_partition,
+    Fault::Partition,
+    "network partition",
+    [
+        mysql: Mysql => STOPS_AND_HANDS_OVER,
+        postgres: Postgres => STOPS_AND_HANDS_OVER,
+        redis: Redis => STOPS_AND_HANDS_OVER,
+        etcd: Etcd => STOPS_AND_HANDS_OVER,
+    ]
+);
 
-#[test]
-fn late_answer_then_silence() {
-    row(
-        Fault::LateAnswer,
-        "a check's answer 700ms late (within its budget), then silence",
-        &[
-            (Kind::Mysql, STOPS_AND_HANDS_OVER),
-            (Kind::Postgres, STOPS_AND_HANDS_OVER),
-        ],
-    );
-}
+row!(
+    late_answer_then_silence,
+    Fault::LateAnswer,
+    "a check's answer 700ms late (within its budget), then silence",
+    [
+        mysql: Mysql => STOPS_AND_HANDS_OVER,
+        postgres: Postgres => STOPS_AND_HANDS_OVER,
+    ]
+);

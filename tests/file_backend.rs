@@ -134,9 +134,12 @@ fn a_waiting_standby_follows_the_lock_file_replaced_under_it() {
     let mut lab = Lab::new();
     let url = lab.file_url("app.lock");
     // The file is held by another program, which keeps holding the old file after the path moves on.
+    // In a process group of its own, so that flock's `sleep` dies with it at the end.
+    use std::os::unix::process::CommandExt;
     let mut holder = std::process::Command::new("flock")
         .arg(lab.path("app.lock"))
         .args(["sleep", "30"])
+        .process_group(0)
         .spawn()
         .unwrap();
     assert!(wait_until(Duration::from_secs(5), || {
@@ -168,7 +171,11 @@ fn a_waiting_standby_follows_the_lock_file_replaced_under_it() {
         "{}",
         standby.log_text()
     );
-    holder.kill().unwrap();
+    nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(holder.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
     holder.wait().unwrap();
 }
 

@@ -572,10 +572,11 @@ fn the_release_never_interrupts_a_strangers_query_under_a_reused_connection_id()
     guard.wait(Duration::from_secs(20));
     let log = guard.log_text();
     assert!(log.contains("event=\"lock_released\""), "{log}");
-    // The interrupter reached the second server and found the proof wanting there.
+    // The interrupter reached the second server and found the proof wanting there. (On a loaded
+    // machine it may then also give up on its side connection, whose statements have a 1s budget,
+    // and wait for the sleep: that is safe too, and not what this test is about.)
     assert!(
-        log.contains("does not name the lock's session running this guard's check")
-            && !log.contains("could not interrupt the check sleep"),
+        log.contains("does not name the lock's session running this guard's check"),
         "{log}"
     );
     assert_eq!(

@@ -117,12 +117,34 @@ pub const ETCD_LEASE: &[&str] = &[
     "2s",
 ];
 
+/// A loopback port that no other test process uses, for a server this test starts.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use nix::fcntl::{Flock, FlockArg};
+    use std::hash::{BuildHasher, RandomState};
+    use std::sync::Mutex;
+    // Claims live as long as this test process: its kernel releases the locks when it exits, however
+    // it exits.
+    static CLAIMS: Mutex<Vec<Flock<fs::File>>> = Mutex::new(Vec::new());
+    // Test binaries run in parallel (cargo nextest), each starting servers on ports it picked: a
+    // port the kernel handed out for `bind(0)` and released is soon handed out again, to another
+    // test's server or to an outgoing connection. So ports are picked below the kernel's ephemeral
+    // range (32768-60999, where outgoing connections get theirs), and each is claimed by an flock
+    // on a file named after it that every test process honours.
+    let dir = Path::new("/tmp/sentinel-guard-test-ports");
+    fs::create_dir_all(dir).unwrap();
+    let random = RandomState::new();
+    for attempt in 0u32..10_000 {
+        let port = 20_000 + (random.hash_one(attempt) % 10_000) as u16;
+        let file = fs::File::create(dir.join(port.to_string())).unwrap();
+        let Ok(claim) = Flock::lock(file, FlockArg::LockExclusiveNonblock) else {
+            continue;
+        };
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            CLAIMS.lock().unwrap_or_else(|e| e.into_inner()).push(claim);
+            return port;
+        }
+    }
+    panic!("no free loopback port in 20000-29999");
 }
 
 /// A directory made once per build under the tests' temp dir by `init` (given a fresh staging
@@ -134,13 +156,22 @@ pub fn made_once(name: &str, done: impl Fn(&Path) -> bool, init: impl FnOnce(&Pa
     if done(&ready) {
         return ready;
     }
+    // Test processes run in parallel: one makes the directory while the others wait for it (two
+    // server bootstraps at once also collide on their temporary files).
+    let _one_maker = nix::fcntl::Flock::lock(
+        fs::File::create(root.join(format!("{name}.lock"))).unwrap(),
+        nix::fcntl::FlockArg::LockExclusive,
+    )
+    .unwrap_or_else(|(_, e)| panic!("lock {name}: {e}"));
+    if done(&ready) {
+        return ready;
+    }
     let staging = root.join(format!("{name}.{}", std::process::id()));
     let _ = fs::remove_dir_all(&staging);
     init(&staging);
-    // Another test process may have won the race; either copy is as good.
-    if fs::rename(&staging, &ready).is_err() {
-        let _ = fs::remove_dir_all(&staging);
-    }
+    // What is there is not done: a maker that was killed half-way left it.
+    let _ = fs::remove_dir_all(&ready);
+    fs::rename(&staging, &ready).unwrap();
     ready
 }
 

@@ -97,7 +97,13 @@ impl Host {
             format!("sg{}g{n}", pid % 100_000),
         );
         // One /30 per host in 10.<100 + pid % 100>.0.0/16, skipping any /30 whose gateway address
-        // this namespace already has (another test process whose pid ends alike).
+        // this namespace already has (another test process whose pid ends alike). Test processes
+        // run in parallel: the scan and the address's assignment are one step under a lock file.
+        let _scan = nix::fcntl::Flock::lock(
+            std::fs::File::create("/run/sentinel-guard-test-netns.lock").unwrap(),
+            nix::fcntl::FlockArg::LockExclusive,
+        )
+        .unwrap_or_else(|(_, e)| panic!("lock the /30 scan: {e}"));
         let taken = Command::new("ip")
             .args(["-o", "-4", "addr", "show"])
             .output()

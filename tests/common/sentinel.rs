@@ -191,16 +191,25 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn start() -> Cluster {
-        let options = [
-            "--cluster-enabled",
-            "yes",
-            "--cluster-config-file",
-            "nodes.conf",
-            "--cluster-node-timeout",
-            "2000",
-        ]
-        .map(String::from);
-        let nodes: Vec<Redis> = (0..3).map(|_| Redis::start_with(&options)).collect();
+        // The cluster bus's port is given, not left to the default of port + 10000: that lands in the
+        // kernel's ephemeral range, where another test's outgoing connection may hold it.
+        let nodes: Vec<Redis> = (0..3)
+            .map(|_| {
+                let bus = free_port().to_string();
+                let options = [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--cluster-port",
+                    &bus,
+                ]
+                .map(String::from);
+                Redis::start_with(&options)
+            })
+            .collect();
         let addresses: Vec<String> = nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
