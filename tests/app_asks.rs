@@ -406,8 +406,8 @@ fn a_stop_asked_for_during_a_check_is_never_turned_into_a_step_down() {
 #[test]
 fn the_health_settings_and_an_inherited_socket_stay_out_of_the_app_and_no_socket_is_no_failure() {
     let mut lab = Lab::new();
-    // Outside /tmp, which the guard will find read-only.
-    let outside = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    // Outside /tmp, which the guard will find read-only (and the build tree may be under /tmp).
+    let outside = tempfile::tempdir_in("/dev/shm").unwrap();
     let url = format!("file://{}/env.lock", outside.path().display());
     let out = outside.path().join("env");
     let script = format!(
@@ -417,7 +417,8 @@ fn the_health_settings_and_an_inherited_socket_stay_out_of_the_app_and_no_socket
     );
     // /tmp read-only, and neither XDG_RUNTIME_DIR nor TMPDIR usable: the guard has nowhere for its
     // socket, says so, and runs the app without one (and without the socket it inherited).
-    let inner = "mount -t tmpfs -o ro tmpfs /tmp && exec \"$0\" \"$@\"";
+    // /tmp stays visible (the guard binary itself may live under it), but read-only.
+    let inner = "mount --bind /tmp /tmp && mount -o remount,bind,ro /tmp && exec \"$0\" \"$@\"";
     let mut cmd = lab.command(&["--url", &url, "--name", "env"], &["sh", "-c", &script]);
     cmd.env("SENTINEL_GUARD_HEALTH_CMD", "true")
         .env("SENTINEL_GUARD_HEALTH_INTERVAL", "1h")

@@ -360,10 +360,8 @@ fn a_url_file_with_two_lines_is_refused_naming_the_file() {
 fn error_texts_say_what_is_wrong_and_what_to_do() {
     let redis = common::redis::Redis::start();
     let plain = redis.url();
-    let closed = {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        listener.local_addr().unwrap().port()
-    };
+    // Claimed and never listened on: a port of the kernel's would soon be another test's.
+    let closed = free_port();
     let mut lab = Lab::new();
     let cases: Vec<(String, i32, &str, &str)> = vec![
         (

@@ -129,9 +129,8 @@ fn json_asked_for_is_what_comes_out_errors_included() {
         "{log}"
     );
 
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("redis://127.0.0.1:{}", closed.local_addr().unwrap().port());
-    drop(closed);
+    // Claimed and never listened on: a port of the kernel's would soon be another test's.
+    let url = format!("redis://127.0.0.1:{}", common::free_port());
     let out = lab
         .command(
             &[

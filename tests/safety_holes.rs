@@ -655,7 +655,15 @@ fn a_guard_frozen_at_the_apps_start_never_runs_it_beside_a_standbys(
             "the app's process did not refuse on its own clock: {}",
             leader.log_text()
         );
-        send(watchdog, 18);
+        // The watchdog's pid is no child of this test: once the continued guard has reaped it, the
+        // number may be another process's, so it is signalled only while the guard still has it
+        // as a child.
+        if procs::children(leader.pid()).contains(&watchdog) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(watchdog),
+                nix::sys::signal::Signal::SIGCONT,
+            );
+        }
     } else {
         let lead_app = read_pid(&lead_pid, Duration::from_secs(1));
         assert!(!alive(lead_app), "the old app outlived the standby's start");

@@ -18,8 +18,6 @@ use common::{
 };
 
 const LONG: Duration = Duration::from_secs(30);
-/// Debian's `libfaketime` (the `faketime` package).
-const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
 
 /// A private PostgreSQL whose guard account may create the windows table (PostgreSQL 15 lets no
 /// one but the owner create in `public`).
@@ -303,13 +301,8 @@ fn skewed_clocks_do_not_matter(backend: &Backend) {
     let app = job(&lab, "0.2");
     let mut guards = Vec::new();
     for skew in ["+90s", "-90s"] {
-        // libfaketime preloaded directly: the `faketime` wrapper's semaphore, named after its pid,
-        // is left behind by a killed wrapper and refuses a later one that reuses the pid.
         let mut cmd = lab.command(&args, &as_strs(&app));
-        cmd.env("LD_PRELOAD", LIBFAKETIME)
-            .env("FAKETIME", skew)
-            // The wall clock is skewed; the monotonic clocks a host keeps are not.
-            .env("DONT_FAKE_MONOTONIC", "1");
+        common::skew_wall_clock(&mut cmd, skew);
         guards.push(lab.start(cmd));
     }
     guards.push(lab.spawn(&args, &as_strs(&app)));

@@ -399,6 +399,82 @@ impl Lab {
     }
 }
 
+/// A preloaded library that moves the wall clock (`CLOCK_REALTIME` and what reads it:
+/// `gettimeofday`, `time`) by `SENTINEL_TEST_CLOCK_SKEW_NS` and leaves every other clock alone, as
+/// a host whose clock is wrong has it. Debian's libfaketime also moves `CLOCK_BOOTTIME`, and with it
+/// the absolute deadlines the guard arms its boot-clock timers with, which no wrong wall clock does
+/// (a guard skewed further back than the machine's uptime could not arm its timer at all).
+const WALL_CLOCK_SKEW_C: &str = r#"
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <sys/time.h>
+#include <time.h>
+
+static long long skew_ns(void) {
+    const char *s = getenv("SENTINEL_TEST_CLOCK_SKEW_NS");
+    return s ? atoll(s) : 0;
+}
+
+static void shift(struct timespec *ts) {
+    long long ns = (long long)ts->tv_sec * 1000000000LL + ts->tv_nsec + skew_ns();
+    ts->tv_sec = ns / 1000000000LL;
+    ts->tv_nsec = ns % 1000000000LL;
+}
+
+int clock_gettime(clockid_t id, struct timespec *ts) {
+    static int (*real)(clockid_t, struct timespec *);
+    if (!real) real = (int (*)(clockid_t, struct timespec *))dlsym(RTLD_NEXT, "clock_gettime");
+    int r = real(id, ts);
+    if (r == 0 && (id == CLOCK_REALTIME || id == CLOCK_REALTIME_COARSE)) shift(ts);
+    return r;
+}
+
+int gettimeofday(struct timeval *tv, void *tz) {
+    struct timespec ts;
+    (void)tz;
+    if (clock_gettime(CLOCK_REALTIME, &ts) != 0) return -1;
+    if (tv) {
+        tv->tv_sec = ts.tv_sec;
+        tv->tv_usec = ts.tv_nsec / 1000;
+    }
+    return 0;
+}
+
+time_t time(time_t *out) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    if (out) *out = ts.tv_sec;
+    return ts.tv_sec;
+}
+"#;
+
+/// Skews the wall clock of `cmd`, and of everything it starts, by `skew` (`+90s`, `-10m`): see
+/// `WALL_CLOCK_SKEW_C`. The library is built once per build with gcc.
+pub fn skew_wall_clock(cmd: &mut Command, skew: &str) {
+    let (sign, magnitude) = match skew.strip_prefix('-') {
+        Some(rest) => (-1i128, rest),
+        None => (1, skew.trim_start_matches('+')),
+    };
+    let ns = sign * humantime::parse_duration(magnitude).unwrap().as_nanos() as i128;
+    let dir = made_once(
+        "wall-clock-skew",
+        |d| d.join("skew.so").exists(),
+        |staging| {
+            fs::create_dir_all(staging).unwrap();
+            fs::write(staging.join("skew.c"), WALL_CLOCK_SKEW_C).unwrap();
+            let mut gcc = Command::new("gcc");
+            gcc.args(["-shared", "-fPIC", "-O2", "-o"])
+                .arg(staging.join("skew.so"))
+                .arg(staging.join("skew.c"))
+                .arg("-ldl");
+            must_run(gcc, "gcc (apt-get install gcc)");
+        },
+    );
+    cmd.env("LD_PRELOAD", dir.join("skew.so"))
+        .env("SENTINEL_TEST_CLOCK_SKEW_NS", ns.to_string());
+}
+
 /// `cmd` started by `launcher launcher_args... program args...`, with `cmd`'s environment changes
 /// carried over; stdin and stdout are null.
 pub fn launched_by(cmd: &Command, launcher: &str, launcher_args: &[&str]) -> Command {

@@ -11,7 +11,8 @@
 //!
 //! Every app appends its start, its beats (every 50ms) and its stop, stamped with `CLOCK_MONOTONIC`
 //! (one clock for every namespace of the host), to one history file; the nemesis appends each
-//! fault's begin and end. The checker (module `checker`) reads only that history. Faults, one or two
+//! fault's begin and end, and which guards it started with a wrong wall clock. The checker (module
+//! `checker`) reads only that history. Faults, one or two
 //! at once, are drawn from a seed printed first: `SENTINEL_NEMESIS_SEED` replays it.
 //! `SENTINEL_NEMESIS_SECONDS` sets how long faults are drawn per backend (default 40).
 
@@ -283,12 +284,11 @@ impl Nemesis {
 
     /// Starts a guard in slot `i`.
     fn spawn(&mut self, i: usize) {
-        let slot = &mut self.slots[i];
-        slot.started += 1;
-        let name = format!("g{i}.{}", slot.started);
+        self.slots[i].started += 1;
+        let name = format!("g{i}.{}", self.slots[i].started);
         let mut args: Vec<String> = vec![
             "--url".into(),
-            slot.url.clone(),
+            self.slots[i].url.clone(),
             "--name".into(),
             LOCK.into(),
         ];
@@ -300,7 +300,22 @@ impl Nemesis {
         let app = [
             "sh", "-c", WITNESS, "sh", &witness, &script, &history, &name,
         ];
-        let cmd = self.lab.command(&as_strs(&args), &app);
+        let mut cmd = self.lab.command(&as_strs(&args), &app);
+        // One guard start in four has a wall clock that is minutes off, ahead or behind: fencing
+        // tokens and lock records are drawn on clocks, and a host's clock can be wrong.
+        if self.rng.random_ratio(1, 4) {
+            let seconds = self.rng.random_range(30..=600);
+            let skew = if self.rng.random_bool(0.5) {
+                format!("+{seconds}s")
+            } else {
+                format!("-{seconds}s")
+            };
+            skew_wall_clock(&mut cmd, &skew);
+            *self.faults.entry("guard_clock_skewed".into()).or_default() += 1;
+            let note = format!("guard_clock_skewed guard={name} skew={skew}");
+            self.note(&note);
+        }
+        let slot = &mut self.slots[i];
         let cmd = launched_by(&cmd, "nsenter", &[&slot.host.nsenter_arg()]);
         // A guard whose test died (SIGINT, a timeout) dies with it, and its watchdog takes its tree.
         let cmd = launched_by(&cmd, "setpriv", &["--pdeathsig", "KILL", "--"]);

@@ -90,12 +90,8 @@ impl Host {
         assert!(n < 64, "too many hosts for one test process");
         let pid = std::process::id();
         let name = format!("sgnem-{pid}-{n}");
-        // Interface names are at most 15 bytes; the pid's last digits keep two test processes'
-        // links apart.
-        let (outer, inner) = (
-            format!("sg{}h{n}", pid % 100_000),
-            format!("sg{}g{n}", pid % 100_000),
-        );
+        // Interface names are at most 15 bytes: "sg", a pid of up to 7 digits, a letter and n < 64.
+        let (outer, inner) = (format!("sg{pid}h{n}"), format!("sg{pid}g{n}"));
         // One /30 per host in 10.<100 + pid % 100>.0.0/16, skipping any /30 whose gateway address
         // this namespace already has (another test process whose pid ends alike). Test processes
         // run in parallel: the scan and the address's assignment are one step under a lock file.

@@ -323,11 +323,19 @@ impl Postgres {
     /// would not reach them.
     pub fn signal_all(&self, signal: i32) {
         let postmaster = self.pid();
-        for pid in std::iter::once(postmaster).chain(procs::children(postmaster)) {
-            // SAFETY: kill(2) touches no memory.
-            unsafe {
-                nix::libc::kill(pid, signal);
-            }
+        // SAFETY: kill(2) touches no memory.
+        let send = |pid: i32, signal: i32| unsafe {
+            nix::libc::kill(pid, signal);
+        };
+        // The postmaster reaps its children: stopped, it cannot, so the pids read now stay theirs
+        // (a child that exits meanwhile stays a zombie) and no other test's process is signalled.
+        send(postmaster, nix::libc::SIGSTOP);
+        for child in procs::children(postmaster) {
+            send(child, signal);
+        }
+        send(postmaster, signal);
+        if signal != nix::libc::SIGSTOP {
+            send(postmaster, nix::libc::SIGCONT);
         }
     }
 
