@@ -4,6 +4,8 @@
 //! file), but callers only see `Acquisition`, `HeldLock::lost` and `HeldLock::release`.
 
 mod etcd;
+#[cfg(test)]
+pub mod fake;
 mod farewell;
 mod file;
 mod mysql;

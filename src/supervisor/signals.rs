@@ -80,6 +80,12 @@ impl SignalEvents {
         Ok(SignalEvents { received })
     }
 
+    /// Signals that a test sends down the channel instead of the kernel.
+    #[cfg(test)]
+    pub fn from_test(received: mpsc::UnboundedReceiver<i32>) -> SignalEvents {
+        SignalEvents { received }
+    }
+
     pub async fn next(&mut self) -> i32 {
         match self.received.recv().await {
             Some(signal) => signal,
