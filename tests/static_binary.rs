@@ -119,6 +119,10 @@ impl Dns {
             ])
             .arg(format!("--listen-address={address}"))
             .arg(format!("--address=/{DNS_NAME}/127.0.0.1"))
+            // Every other name of the test's domain is answered "no such name", as a real DNS
+            // server answers for a name only the hosts file knows; glibc consults the hosts file
+            // after that answer only if nsswitch.conf (or its default) puts it first.
+            .arg("--local=/sentinel.test/")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

@@ -2,7 +2,8 @@
 //! backend's (`WatchedLock`), fed by a channel instead of a server's answers. The test says when the
 //! lock is lost, and learns whether and when the guard gave it back.
 
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use tokio::sync::{mpsc, watch};
@@ -18,7 +19,7 @@ use crate::window::RunExit;
 /// The test's end of a fake lock.
 pub struct Control {
     lose: mpsc::UnboundedSender<LockLoss>,
-    given_back: Arc<Mutex<bool>>,
+    given_back: Arc<AtomicBool>,
 }
 
 impl Control {
@@ -32,9 +33,11 @@ impl Control {
 
     /// Whether the guard gave the lock back.
     pub fn given_back(&self) -> bool {
-        *self.given_back.lock().unwrap()
+        self.given_back.load(Ordering::SeqCst)
     }
 }
+
+const NO_WINDOWS: &str = "the fake lock keeps no windows";
 
 struct FakeLock {
     watched: WatchedLock,
@@ -45,7 +48,7 @@ struct FakeLock {
 /// `dead_by` unless the watcher moves that on.
 pub fn acquired(previous: Previous, dead_by: Deadline) -> (HeldLock, Control) {
     let (lose, mut losses) = mpsc::unbounded_channel();
-    let given_back = Arc::new(Mutex::new(false));
+    let given_back = Arc::new(AtomicBool::new(false));
     let gave = given_back.clone();
     let watched = WatchedLock::spawn(dead_by, |mut ends| async move {
         tokio::select! {
@@ -54,7 +57,7 @@ pub fn acquired(previous: Previous, dead_by: Deadline) -> (HeldLock, Control) {
                 // A lost lock is not ours to give back; the guard may still ask.
                 let _ = (&mut ends.release).await;
             }
-            _ = &mut ends.release => *gave.lock().unwrap() = true,
+            _ = &mut ends.release => gave.store(true, Ordering::SeqCst),
         }
         Ok(())
     });
@@ -102,9 +105,7 @@ impl Held for FakeLock {
 #[async_trait]
 impl WindowStore for FakeLock {
     async fn claim(&mut self, _request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
-        Err(LockError::Unreachable(
-            "the fake lock keeps no windows".to_owned(),
-        ))
+        Err(LockError::Unreachable(NO_WINDOWS.to_owned()))
     }
 
     async fn record_end(
@@ -112,8 +113,6 @@ impl WindowStore for FakeLock {
         _request: &ClaimRequest<'_>,
         _exit: RunExit,
     ) -> Result<(), LockError> {
-        Err(LockError::Unreachable(
-            "the fake lock keeps no windows".to_owned(),
-        ))
+        Err(LockError::Unreachable(NO_WINDOWS.to_owned()))
     }
 }
