@@ -306,8 +306,7 @@ impl Nemesis {
         // its guards share one host, whose clock is the backend's, and a step back of it between
         // two acquisitions is the documented limit of the fencing token (README, "Fencing"). The
         // nemesis found just that when each guard had a clock of its own.
-        let networked = !matches!(self.backend, Backend::File(_));
-        if networked && self.rng.random_ratio(1, 4) {
+        if self.networked() && self.rng.random_ratio(1, 4) {
             let seconds = self.rng.random_range(30..=600);
             let skew = if self.rng.random_bool(0.5) {
                 format!("+{seconds}s")
@@ -376,7 +375,7 @@ impl Nemesis {
             Some(leader) if self.rng.random_ratio(3, 5) => leader,
             _ => self.rng.random_range(0..GUARDS),
         };
-        let networked = !matches!(self.backend, Backend::File(_));
+        let networked = self.networked();
         let members = server_ports(&self.backend).len().max(1);
         loop {
             let fault = match self.rng.random_range(0..10) {
@@ -398,6 +397,11 @@ impl Nemesis {
             };
             return fault;
         }
+    }
+
+    /// Whether the guards reach a server over the network (every backend but a lock file).
+    fn networked(&self) -> bool {
+        !matches!(self.backend, Backend::File(_))
     }
 
     fn guard_pid(&self, slot: usize) -> Option<i32> {
