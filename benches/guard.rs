@@ -5,9 +5,10 @@
 //!
 //! `cargo bench --bench guard` runs the full set (a few minutes); `cargo bench --bench guard -- --quick`
 //! (or `SENTINEL_BENCH_QUICK=1`) runs few rounds, for CI. `SENTINEL_BENCH_ONLY=startup,takeover` runs
-//! only the named sections (`startup`, `detection`, `freeze`, `takeover`, `footprint`, `scale`,
-//! `scheduled`, `redis_failover`). `nemesis`, the random faults' long run, runs only when named:
-//! `SENTINEL_BENCH_ONLY=nemesis SENTINEL_NEMESIS_SECONDS=1800 cargo bench --bench guard`.
+//! only the named sections (`startup`, `detection`, `freeze`, `takeover`, `footprint`, `memory`, `scale`,
+//! `crowd`, `scheduled`, `redis_failover`). `nemesis`, the random faults' long run, runs only when named:
+//! `SENTINEL_BENCH_ONLY=nemesis SENTINEL_NEMESIS_SECONDS=1800 cargo bench --bench guard`. Every row
+//! measures the release binary, or the one `SENTINEL_BENCH_GUARD` names.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -165,7 +166,7 @@ const SHORT_LEASE: [&str; 8] = [
 /// record, and the default would wait the bound at its first start. The start-up and takeover
 /// rows keep every default (`with_defaults`).
 fn guard_cmd(url: &str, name: &str, extra: &[&str], app: &[String]) -> Command {
-    let mut cmd = Command::new(GUARD);
+    let mut cmd = Command::new(guard_binary());
     cmd.args(["--url", url, "--name", name])
         .args(extra)
         .arg("--")
@@ -211,12 +212,12 @@ fn startup(report: &mut Report, servers: &Servers, settings: &Settings) {
     for backend in servers.with_etcd() {
         // A start after a clean exit, as every restart of a job is: the lock record says
         // `released`, so the default `--takeover-delay auto` does not wait. The very first start of
-        // a name has no record and waits its bound (17s with the defaults, 13s for a lock file), once; it is run here
-        // before the timed rounds, untimed.
+        // a name has no record and would wait its bound (17s with the defaults, 13s for a lock
+        // file): it runs first, untimed and without the delay, and leaves the record.
         let url = servers.url(backend);
         let name = format!("startup-{}", now_ns());
+        time_command(guard_cmd(&url, &name, &[], &["true".into()]));
         let start = || with_defaults(guard_cmd(&url, &name, &[], &["true".into()]));
-        time_command(start());
         let mut guarded = Stats::default();
         for _ in 0..rounds {
             guarded.push_ms(time_command(start()));
@@ -435,6 +436,15 @@ fn kill_all(pids: Vec<i32>) {
             let _ = kill(Pid::from_raw(child), Signal::SIGKILL);
         }
     }
+}
+
+/// A server's CPU ticks: its own, and its children's (PostgreSQL runs a process per connection).
+fn server_ticks(pid: u32) -> u64 {
+    let children = children_of(pid).into_iter();
+    proc_stat_ticks(pid)
+        + children
+            .map(|child| proc_stat_ticks(child as u32))
+            .sum::<u64>()
 }
 
 /// The direct children of `parent`, from the ppid in `/proc/<pid>/stat`.
@@ -737,6 +747,119 @@ fn footprint_and_idle(report: &mut Report, servers: &Servers, settings: &Setting
     }
 }
 
+/// PSS of `pid` (its private pages, and each shared page divided among the processes that map it).
+/// The guard and its watchdog are not dumpable: only root reads theirs.
+fn pss_kb(pid: i32) -> u64 {
+    let kb = proc_kb(&format!("/proc/{pid}/smaps_rollup"), "Pss");
+    assert!(
+        kb > 0,
+        "cannot read the PSS of process {pid}: run the benchmark as root"
+    );
+    kb
+}
+
+/// Guards on one host, each holding its own lock and supervising `sleep`: what each guarded app
+/// costs the host in guard and watchdog (PSS, so the binary's shared pages are counted once across
+/// all of them), beside tini and flock doing the same for as many apps.
+fn memory(report: &mut Report, servers: &Servers, settings: &Settings) {
+    // Quick mode says only that the rows still measure something.
+    let guards_per_host: usize = if settings.quick { 5 } else { 30 };
+    let sleep = || vec!["sleep".to_owned(), "1000".to_owned()];
+    for backend in BACKENDS {
+        let mut guards: Vec<_> = (0..guards_per_host)
+            .map(|i| {
+                guard_cmd(&servers.url(backend), &format!("memory-{i}"), &[], &sleep())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        // Each guard's app and watchdog running: the watchdog is the child whose command line
+        // says so, the app the other one.
+        let watchdogs = |guards: &[std::process::Child]| -> Vec<Option<i32>> {
+            guards
+                .iter()
+                .map(|g| {
+                    let kids = procs::children(g.id() as i32);
+                    let watchdog = kids
+                        .iter()
+                        .copied()
+                        .find(|k| procs::argv(*k).iter().any(|a| a == "__watchdog"));
+                    watchdog.filter(|_| kids.len() >= 2)
+                })
+                .collect()
+        };
+        let settled = wait_until(Duration::from_secs(30), || {
+            watchdogs(&guards).iter().all(Option::is_some)
+        });
+        assert!(settled, "{backend}: not every guard started its app");
+        let (guard_kb, watchdog_kb) =
+            guards
+                .iter()
+                .zip(watchdogs(&guards))
+                .fold((0, 0), |(g, w), (guard, watchdog)| {
+                    (g + pss_kb(guard.id() as i32), w + pss_kb(watchdog.unwrap()))
+                });
+        for guard in &mut guards {
+            send(guard.id() as i32, 15);
+        }
+        for guard in &mut guards {
+            let _ = guard.wait();
+        }
+        let per_app = |kb: u64| kb as f64 / guards_per_host as f64 / 1024.0;
+        report.row(
+            &format!("memory: guard + watchdog PSS per guarded app, {guards_per_host} guards on one host"),
+            backend,
+            format!(
+                "{:.2} MB (guard {:.2}, watchdog {:.2})",
+                per_app(guard_kb + watchdog_kb),
+                per_app(guard_kb),
+                per_app(watchdog_kb)
+            ),
+            "<= 1 MB",
+            json!({"guards": guards_per_host, "guard_pss_kb": guard_kb, "watchdog_pss_kb": watchdog_kb}),
+        );
+    }
+    let lock = servers.files.path("memory-flock.lock");
+    for (tool, args) in [
+        ("tini", vec!["-s".to_owned(), "--".to_owned()]),
+        ("flock", vec![lock.display().to_string()]),
+    ] {
+        let scenario =
+            format!("memory: `{tool}` PSS per supervised app, {guards_per_host} on one host");
+        if Command::new(tool).arg("--version").output().is_err() {
+            report.row(&scenario, "-", "not installed here".into(), "", Value::Null);
+            continue;
+        }
+        // flock's instances queue for the one lock: only the first runs `sleep`, the rest wait,
+        // which is what a flock standby costs (the table in docs/benchmarks.md says so).
+        let mut supervisors: Vec<_> = (0..guards_per_host)
+            .map(|_| {
+                Command::new(tool)
+                    .args(&args)
+                    .args(sleep())
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        std::thread::sleep(Duration::from_secs(1));
+        let kb: u64 = supervisors.iter().map(|s| pss_kb(s.id() as i32)).sum();
+        for supervisor in &mut supervisors {
+            let _ = supervisor.kill();
+            let _ = supervisor.wait();
+        }
+        report.row(
+            &scenario,
+            "-",
+            format!("{:.2} MB", kb as f64 / guards_per_host as f64 / 1024.0),
+            "",
+            json!({"supervisors": guards_per_host, "pss_kb": kb}),
+        );
+    }
+}
+
 /// VmHWM of the process `cmd` starts, once it has run for a second (with `--metrics-addr`, after a
 /// scrape, so serving counts too).
 fn peak_rss_row(
@@ -844,6 +967,204 @@ fn scale(report: &mut Report, servers: &Servers, settings: &Settings) {
                     json!({"guards": n, "interval": interval, "server_cpu_pct": cpu_pct, "ops_per_s": rate}),
                 );
             }
+        }
+    }
+}
+
+/// Issue 33's crowds: with many guards holding on one server, a fault to one guard's lock is still
+/// detected within a lone guard's bound (the detection rows), and the server's CPU per guard; then
+/// 1,000 guards renewing Redis leases, none late. Guards log to one file; the events counted are
+/// those logged once every guard runs and before they are stopped (their start and stop load the
+/// machine, not the server).
+fn crowd(report: &mut Report, servers: &Servers, settings: &Settings) {
+    let holding = if settings.quick { 20 } else { 200 };
+    let window = Duration::from_secs(if settings.quick { 2 } else { 10 });
+    let lone = "<= 50 ms (a lone guard: the detection row)";
+    let faults = [
+        ("`KILL <conn>` of one guard's session", "mysql", lone),
+        (
+            "`pg_terminate_backend` of one guard's session",
+            "postgres",
+            lone,
+        ),
+        (
+            "key `DEL` of one guard's lease",
+            "redis",
+            "<= renew-interval (1s here)",
+        ),
+    ];
+    for (fault, backend, target) in faults {
+        let crowd = Crowd::start(servers, backend, holding, &SHORT_LEASE);
+        let started = crowd.log_len();
+        let cpu = crowd.server_cpu(servers, backend, window);
+        let mut stats = Stats::default();
+        let step = holding / settings.rounds.min(holding);
+        for victim in (0..holding).step_by(step).take(settings.rounds) {
+            let (name, dir) = (crowd.name(victim), crowd.dir(victim));
+            let fault_at = now_ns();
+            match backend {
+                "mysql" => {
+                    let id = servers.mysql.holder_of(&name).unwrap();
+                    servers.mysql.sql(&format!("KILL {id}"));
+                }
+                "postgres" => {
+                    let pid = servers.postgres.holder_of(&name).unwrap();
+                    let terminate = format!("SELECT pg_terminate_backend({pid})");
+                    servers.postgres.sql(&terminate);
+                }
+                _ => {
+                    let key = format!("sentinel-guard:{{{name}}}");
+                    servers.redis.cli(&["DEL", &key]);
+                }
+            }
+            if let Some(stopped) = stamp(&dir, "stopped", Duration::from_secs(10)) {
+                stats.push_ms(stopped.saturating_sub(fault_at));
+            }
+        }
+        let log = crowd.events_since(started);
+        crowd.stop();
+        let scenario = format!("crowd: {holding} guards holding, {fault} -> its app stopped");
+        report.latency(&scenario, backend, &stats, target);
+        let others = log.losses.saturating_sub(stats.0.len());
+        report.row(
+            &format!("crowd: {holding} guards holding, server CPU"),
+            backend,
+            format!(
+                "{cpu:.1}% of a core, {:.3}% per guard; other guards' losses: {others}",
+                cpu / holding as f64
+            ),
+            "reported",
+            json!({"guards": holding, "server_cpu_pct": cpu, "per_guard_pct": cpu / holding as f64, "losses": log.losses}),
+        );
+    }
+    let renewing: &[(usize, &[&str], &str, u64)] = if settings.quick {
+        &[(50, &SHORT_LEASE, "every 1s, --check-timeout 500ms", 3)]
+    } else {
+        &[
+            (
+                1000,
+                &[],
+                "every 10s (defaults: --ttl 30s, --check-timeout 2s)",
+                30,
+            ),
+            (1000, &SHORT_LEASE, "every 1s, --check-timeout 500ms", 10),
+        ]
+    };
+    for &(n, flags, how, seconds) in renewing {
+        let crowd = Crowd::start(servers, "redis", n, flags);
+        let started = crowd.log_len();
+        let cpu = crowd.server_cpu(servers, "redis", Duration::from_secs(seconds));
+        let log = crowd.events_since(started);
+        crowd.stop();
+        report.row(
+            &format!("crowd: {n} guards renewing {how}, over {seconds}s"),
+            "redis",
+            format!(
+                "late or failed renewals {}, locks lost {}; server CPU {cpu:.1}% of a core, {:.4}% per guard",
+                log.late_renewals,
+                log.losses,
+                cpu / n as f64
+            ),
+            "every renewal on time; server CPU reported",
+            json!({"guards": n, "seconds": seconds, "late_renewals": log.late_renewals, "losses": log.losses, "server_cpu_pct": cpu}),
+        );
+    }
+}
+
+/// Guards, each holding its own lock with a `timing_app`, sharing one log file.
+struct Crowd {
+    guards: Vec<std::process::Child>,
+    dir: tempfile::TempDir,
+    prefix: String,
+}
+
+/// What the crowd's log says happened.
+struct CrowdLog {
+    late_renewals: usize,
+    losses: usize,
+}
+
+impl Crowd {
+    /// `n` guards on `backend`, once every app has started.
+    fn start(servers: &Servers, backend: &str, n: usize, flags: &[&str]) -> Crowd {
+        let dir = tempfile::tempdir().unwrap();
+        let log = fs::File::create(dir.path().join("guards.log")).unwrap();
+        let prefix = format!("crowd-{}", now_ns());
+        let url = servers.url(backend);
+        let guards = (0..n)
+            .map(|i| {
+                let app_dir = dir.path().join(i.to_string());
+                fs::create_dir(&app_dir).unwrap();
+                let app = timing_app(&app_dir, None);
+                let mut cmd = guard_cmd(&url, &format!("{prefix}-{i}"), flags, &app);
+                cmd.stderr(log.try_clone().unwrap());
+                cmd.spawn().unwrap()
+            })
+            .collect();
+        let crowd = Crowd {
+            guards,
+            dir,
+            prefix,
+        };
+        for i in 0..n {
+            stamp(&crowd.dir(i), "started", Duration::from_secs(120))
+                .unwrap_or_else(|| panic!("app {i} of {n} on {backend} did not start"));
+        }
+        crowd
+    }
+
+    fn name(&self, i: usize) -> String {
+        format!("{}-{i}", self.prefix)
+    }
+
+    fn dir(&self, i: usize) -> PathBuf {
+        self.dir.path().join(i.to_string())
+    }
+
+    /// The server's CPU over `window`, in percent of one core.
+    fn server_cpu(&self, servers: &Servers, backend: &str, window: Duration) -> f64 {
+        let pid = match backend {
+            "mysql" => servers.mysql.pid() as u32,
+            "postgres" => servers.postgres.pid() as u32,
+            _ => servers.redis.pid() as u32,
+        };
+        let (cpu0, t0) = (server_ticks(pid), Instant::now());
+        std::thread::sleep(window);
+        // Saturating: a PostgreSQL backend that ended took its ticks with it.
+        server_ticks(pid).saturating_sub(cpu0) as f64 / t0.elapsed().as_secs_f64()
+    }
+
+    fn log(&self) -> Vec<u8> {
+        fs::read(self.dir.path().join("guards.log")).unwrap()
+    }
+
+    /// How long the crowd's log is now, in bytes.
+    fn log_len(&self) -> usize {
+        self.log().len()
+    }
+
+    /// What the log says happened since it was `from` bytes long.
+    fn events_since(&self, from: usize) -> CrowdLog {
+        let log = self.log();
+        let log = String::from_utf8_lossy(&log[from..]);
+        let count = |event: &str| {
+            let quoted = format!("event=\"{event}\"");
+            log.lines().filter(|l| l.contains(&quoted)).count()
+        };
+        CrowdLog {
+            late_renewals: count("renewal_failed"),
+            losses: count("lock_lost"),
+        }
+    }
+
+    /// Stops every guard: SIGTERM, then waits.
+    fn stop(mut self) {
+        for guard in &self.guards {
+            let pid = nix::unistd::Pid::from_raw(guard.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::SIGTERM);
+        }
+        for guard in &mut self.guards {
+            let _ = guard.wait();
         }
     }
 }
@@ -1133,7 +1454,92 @@ fn nemesis(report: &mut Report) {
     }
 }
 
+/// Runs one section of the benchmark and says on stderr how long it took, so that a slow run can
+/// be broken down.
+fn timed(section: &str, run: impl FnOnce()) {
+    let started = Instant::now();
+    run();
+    eprintln!(
+        "bench: section {section} took {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// The binary users run: the release build (LTO, `panic = "abort"`, stripped), built here if need
+/// be. Under the bench profile it is the very binary cargo built beside the benchmark; under
+/// another (e.g. `--profile dev`, which shares the tests' compile), it is not, and every row must
+/// still measure the release binary.
+/// The path is the one cargo names in its build report, in the benchmark's own target directory.
+fn release_guard() -> PathBuf {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let target_dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .parent()
+        .expect("the target directory");
+    let mut build = Command::new(cargo);
+    // Without what cargo set for this run: build scripts that watch such a variable (ring's
+    // watches CARGO_MANIFEST_DIR) would see it changed and rebuild everything, here and again at
+    // the next `cargo build --release` from a shell.
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy();
+        if key.starts_with("CARGO_PKG_")
+            || key.starts_with("CARGO_BIN_")
+            || [
+                "CARGO_MANIFEST_DIR",
+                "CARGO_MANIFEST_PATH",
+                "CARGO_CRATE_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+                "CARGO_TARGET_TMPDIR",
+                "OUT_DIR",
+            ]
+            .contains(&&*key)
+        {
+            build.env_remove(&*key);
+        }
+    }
+    let built = build
+        .args(["build", "--release", "--locked", "--bin", "sentinel-guard"])
+        .args([
+            "--message-format",
+            "json-render-diagnostics",
+            "--target-dir",
+        ])
+        .arg(target_dir)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("cargo runs");
+    assert!(built.status.success(), "cargo build --release failed");
+    String::from_utf8_lossy(&built.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter(|message| message["target"]["name"] == "sentinel-guard")
+        .find_map(|message| message["executable"].as_str().map(PathBuf::from))
+        .expect("cargo names the release binary it built")
+}
+
 fn main() {
+    // `SENTINEL_BENCH_GUARD=<binary>` measures that binary instead (CI's quick run measures the
+    // static build it already has, so that it need not wait for the release build).
+    let measured = match std::env::var_os("SENTINEL_BENCH_GUARD") {
+        // Named as given to a shell: a relative path is not left to cargo's working directory, nor
+        // a bare name to PATH.
+        Some(binary) => std::fs::canonicalize(&binary)
+            .ok()
+            .filter(|path| {
+                use std::os::unix::fs::PermissionsExt;
+                path.metadata()
+                    .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            })
+            .unwrap_or_else(|| {
+                panic!(
+                    "SENTINEL_BENCH_GUARD={}: no such executable file",
+                    PathBuf::from(&binary).display()
+                )
+            }),
+        None => release_guard(),
+    };
+    eprintln!("bench: measuring {}", measured.display());
+    common::measure_guard(measured);
     let quick = std::env::args().any(|a| a == "--quick")
         || std::env::var_os("SENTINEL_BENCH_QUICK").is_some();
     // `cargo bench` passes `--bench`; anything else that libtest would accept is ignored.
@@ -1160,28 +1566,38 @@ fn main() {
             .is_none_or(|only| only.split(',').any(|s| s.trim() == section))
     };
     if wanted("startup") {
-        startup(&mut report, &servers, &settings);
+        timed("startup", || startup(&mut report, &servers, &settings));
     }
     if wanted("detection") {
-        detection(&mut report, &mut servers, &settings);
+        timed("detection", || {
+            detection(&mut report, &mut servers, &settings)
+        });
     }
     if wanted("freeze") {
-        tree_freeze(&mut report, &servers, &settings);
+        timed("freeze", || tree_freeze(&mut report, &servers, &settings));
     }
     if wanted("takeover") {
-        takeover(&mut report, &servers, &settings);
+        timed("takeover", || takeover(&mut report, &servers, &settings));
     }
     if wanted("footprint") {
-        footprint_and_idle(&mut report, &servers, &settings);
+        timed("footprint", || {
+            footprint_and_idle(&mut report, &servers, &settings)
+        });
+    }
+    if wanted("memory") {
+        timed("memory", || memory(&mut report, &servers, &settings));
     }
     if wanted("scale") {
-        scale(&mut report, &servers, &settings);
+        timed("scale", || scale(&mut report, &servers, &settings));
+    }
+    if wanted("crowd") {
+        timed("crowd", || crowd(&mut report, &servers, &settings));
     }
     if wanted("scheduled") {
-        scheduled(&mut report, &servers, &settings);
+        timed("scheduled", || scheduled(&mut report, &servers, &settings));
     }
     if wanted("redis_failover") {
-        redis_failover(&mut report, &settings);
+        timed("redis_failover", || redis_failover(&mut report, &settings));
     }
     // Half an hour or more: only when named.
     if only

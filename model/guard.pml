@@ -40,7 +40,7 @@
 #define MIN(a, b) ((a) < (b) -> (a) : (b))
 
 /* ------------------------------------------------------------------------------------------------
- * Timings, in ticks, from the rules of src/config.rs (Timings::validate and what it calls).
+ * Timings, in ticks, from the rules of src/config/timings.rs (Timings::validate and what it calls).
  * ---------------------------------------------------------------------------------------------- */
 
 #ifdef SESSION
@@ -976,7 +976,7 @@ inline environment() {
 	fi
 }
 
-/* The tick values obey the rules of src/config.rs, computed in milliseconds as there. */
+/* The tick values obey the rules of src/config/timings.rs, computed in milliseconds as there. */
 #define ms(ticks) ((ticks) * TICK_MS)
 inline rules() {
 #ifndef MUTANT

@@ -122,7 +122,7 @@ pub fn command() -> clap::Command {
     Cli::command().after_help(after)
 }
 
-#[derive(Debug, Parser)]
+#[derive(Parser)]
 #[command(
     name = "sentinel-guard",
     version,
@@ -179,8 +179,10 @@ pub struct Cli {
     #[arg(long, env = "SENTINEL_GUARD_RENEW_INTERVAL", value_parser = humantime::parse_duration, value_name = "DUR")]
     pub renew_interval: Option<Duration>,
 
-    /// Redis only: replicas that must acknowledge (WAIT) the acquisition and every renewal within
-    /// check-timeout, or the renewal counts as failed; with 0 a failover may lose the lease (0 to 16)
+    /// Redis only: replicas that must acknowledge (WAIT) the acquisition, every renewal, every
+    /// window claim and every run's recorded end within check-timeout, or the renewal counts as
+    /// failed (the claim as not recorded: --if-unavailable; the end is said as not recorded); with 0
+    /// a failover may lose the lease (0 to 16)
     #[arg(long, env = "SENTINEL_GUARD_REDIS_MIN_REPLICAS", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=16), value_name = "N")]
     pub redis_min_replicas: u32,
 
@@ -285,13 +287,14 @@ pub struct Cli {
 }
 
 /// Where the lock lives and how long to wait for it to answer: shared by the guard and `status`.
-#[derive(Debug, Args)]
+// No `Debug` here nor on what holds it: `url` is the raw --url, password and all.
+#[derive(Args)]
 pub struct LockArgs {
     /// Lock backend URL: mysql://user:pass@host:port/db, postgres[ql]://user:pass@host:port/db[?sslmode=...], redis[s]://[user:pass@]host:port[/db], redis[s]+sentinel://[user:pass@]host1:26379,host2:26379/master[/db], redis[s]+cluster://[user:pass@]host1:port,host2:port, etcd[s]://[user:pass@]host1:2379[,host2:2379,...][/prefix] or file:///abs/path.lock
     #[arg(short = 'u', long, env = "SENTINEL_GUARD_URL", hide_env_values = true)]
     pub url: Option<String>,
 
-    /// Read the backend URL from this file (Docker/Kubernetes secrets): the URL alone on one line; blank lines and the whitespace around it are trimmed
+    /// Read the backend URL from this file (Docker/Kubernetes secrets): the URL alone on one line; blank lines and the whitespace around it are trimmed; a regular file of at most 4 MiB
     #[arg(long, env = "SENTINEL_GUARD_URL_FILE", value_name = "PATH")]
     pub url_file: Option<PathBuf>,
 
@@ -308,7 +311,7 @@ pub struct LockArgs {
     pub connect_timeout: Duration,
 
     /// PEM file of the certificate authorities a TLS backend's certificate must chain to, instead of
-    /// the built-in roots (mysql:// with require_ssl=true, rediss://)
+    /// the built-in roots (mysql:// with require_ssl=true, rediss://); a regular file of at most 4 MiB
     #[arg(long, env = "SENTINEL_GUARD_CA_FILE", value_name = "PATH")]
     pub ca_file: Option<PathBuf>,
 
@@ -317,7 +320,7 @@ pub struct LockArgs {
     pub redis_prefix: Option<String>,
 }
 
-#[derive(Debug, clap::Subcommand)]
+#[derive(clap::Subcommand)]
 pub enum Subcommand {
     /// Show who holds the lock. Exit 0 = held, 3 = free, 69 = backend unreachable, 2 = usage
     Status(StatusArgs),
@@ -338,7 +341,7 @@ pub enum Subcommand {
     },
 }
 
-#[derive(Debug, Args)]
+#[derive(Args)]
 pub struct StatusArgs {
     #[command(flatten)]
     pub lock: LockArgs,
@@ -359,7 +362,7 @@ pub struct HeldArgs {
     pub format: OutputFormat,
 }
 
-#[derive(Debug, Args)]
+#[derive(Args)]
 pub struct ExplainArgs {
     /// Output as text or as one JSON object; before the guard's flags
     #[arg(long, value_enum, default_value_t = OutputFormat::Text)]

@@ -3,18 +3,33 @@
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
-use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use thiserror::Error;
 
 mod etcd_target;
+mod health;
+mod mysql_target;
+mod postgres_target;
 mod redis_target;
+mod schedule;
+mod target;
+mod timings;
+mod urls;
 
 pub use etcd_target::EtcdTarget;
+pub use health::HealthCheck;
+pub use mysql_target::MysqlTarget;
+pub use postgres_target::{PostgresTarget, PostgresTls, SslMode};
 pub use redis_target::{RedisServers, RedisTarget};
+pub use target::Target;
+pub use timings::Timings;
+pub use urls::{CaFile, RedactedUrl, SecretUrl};
+
+use health::health_check;
+use schedule::schedule;
 
 use crate::cli::{Cli, ForwardTo, LockArgs, LogFormat, OutputFormat, StatusArgs, Subcommand};
 use crate::window::{IfUnavailable, Schedule, ScheduleMode};
@@ -49,8 +64,6 @@ pub const SESSION_SAFETY_MARGIN: Duration = Duration::from_secs(5);
 /// lasts: a grant is accepted up to this plus `--check-timeout` after it was asked for, which the
 /// server's session timeout must cover too.
 pub const MAX_LOCK_WAIT_CHUNK: Duration = Duration::from_secs(2);
-/// The largest `wait_timeout` MySQL and MariaDB accept on Unix.
-const MYSQL_MAX_WAIT_TIMEOUT_SECS: u64 = 31_536_000;
 const MIN_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -432,123 +445,6 @@ impl Config {
         })
     }
 }
-
-/// `--health-cmd`: the app's health check, as Docker's HEALTHCHECK runs one.
-#[derive(Debug, Clone)]
-pub struct HealthCheck {
-    /// Run by `/bin/sh -c`.
-    pub command: String,
-    pub interval: Duration,
-    pub timeout: Duration,
-    pub retries: u32,
-    pub start_period: Duration,
-}
-
-const MIN_HEALTH_INTERVAL: Duration = Duration::from_millis(100);
-const MIN_HEALTH_TIMEOUT: Duration = Duration::from_millis(100);
-
-/// `--health-cmd` and its companions, which mean nothing without it.
-fn health_check(cli: &Cli) -> Result<Option<HealthCheck>, ConfigError> {
-    let Some(command) = cli.health_cmd.clone() else {
-        if cli.health_interval.is_some()
-            || cli.health_timeout.is_some()
-            || cli.health_retries.is_some()
-            || cli.health_start_period.is_some()
-        {
-            return Err(invalid(
-                "--health-interval, --health-timeout, --health-retries and --health-start-period need --health-cmd",
-            ));
-        }
-        return Ok(None);
-    };
-    if command.trim().is_empty() {
-        return Err(invalid("--health-cmd is empty; give a command such as 'curl -fsS http://localhost:8080/health'"));
-    }
-    let check = HealthCheck {
-        command,
-        interval: cli.health_interval.unwrap_or(Duration::from_secs(10)),
-        timeout: cli.health_timeout.unwrap_or(Duration::from_secs(5)),
-        retries: cli.health_retries.unwrap_or(3),
-        start_period: cli.health_start_period.unwrap_or(Duration::ZERO),
-    };
-    at_most("--health-interval", check.interval, DAY)?;
-    at_most("--health-timeout", check.timeout, HOUR)?;
-    at_most("--health-start-period", check.start_period, DAY)?;
-    at_least("--health-interval", check.interval, MIN_HEALTH_INTERVAL)?;
-    at_least("--health-timeout", check.timeout, MIN_HEALTH_TIMEOUT)?;
-    Ok(Some(check))
-}
-
-/// `--every`/`--once-per` and their companions, checked against each other and the backend.
-fn schedule(
-    cli: &Cli,
-    wait: Wait,
-    target: Option<&Target>,
-) -> Result<Option<Schedule>, ConfigError> {
-    let (option, period, mode) = match (cli.every, cli.once_per) {
-        (Some(_), Some(_)) => return Err(invalid(
-            "--every and --once-per cannot be used together: --every keeps a scheduler running, \
-                 --once-per runs at most once and exits (for a cron line)",
-        )),
-        (Some(period), None) => ("--every", period, ScheduleMode::Every),
-        (None, Some(period)) => ("--once-per", period, ScheduleMode::OncePer),
-        (None, None) => {
-            if cli.window_offset.is_some() || cli.if_unavailable.is_some() {
-                return Err(invalid(
-                    "--window-offset and --if-unavailable only apply to --every or --once-per",
-                ));
-            }
-            return Ok(None);
-        }
-    };
-    if wait != Wait::No {
-        return Err(invalid(format!(
-            "{option} cannot be used with --wait: a window is claimed when it starts, or skipped"
-        )));
-    }
-    at_most(option, period, MAX_WINDOW)?;
-    let offset = cli.window_offset.unwrap_or(Duration::ZERO);
-    for (what, value) in [(option, period), ("--window-offset", offset)] {
-        if value.subsec_nanos() != 0 {
-            return Err(invalid(format!(
-                "{what} {} must be a whole number of seconds",
-                crate::vocab::show_duration(value)
-            )));
-        }
-    }
-    if period < Duration::from_secs(1) {
-        return Err(invalid(format!("{option} must be at least 1s")));
-    }
-    if offset >= period {
-        return Err(invalid(format!(
-            "--window-offset {} must be shorter than the window ({option} {})",
-            crate::vocab::show_duration(offset),
-            crate::vocab::show_duration(period)
-        )));
-    }
-    if let Some(Target::Etcd(_)) = target {
-        return Err(invalid(format!(
-            "{option} is not available with etcd: windows are numbered by the backend's clock, so that \
-             every replica sees the same ones whatever its own clock says, and etcd has no clock to \
-             ask; use a MySQL, PostgreSQL or Redis lock for scheduled runs"
-        )));
-    }
-    if let Some(Target::Mysql(mysql)) = target {
-        if mysql.opts.db_name().is_none() {
-            return Err(invalid(format!(
-                "{option} with MySQL needs a database in the URL (mysql://user:pass@host/db): the table \
-                 sentinel_guard_windows that records claimed windows lives there"
-            )));
-        }
-    }
-    Ok(Some(Schedule {
-        period,
-        offset,
-        mode,
-        if_unavailable: cli.if_unavailable.unwrap_or(IfUnavailable::Skip),
-    }))
-}
-
 /// The words every yes-or-no variable takes (`--rejoin`'s `SENTINEL_GUARD_REJOIN` through clap's
 /// `BoolishValueParser`, which reads the same): any case; anything else, an empty value too, exits 2.
 fn parse_guard_switch(value: Option<&str>) -> Result<bool, ConfigError> {
@@ -589,8 +485,10 @@ fn not_applicable(cli: &Cli, target: &Target) -> Vec<&'static str> {
 /// second non-empty line is refused rather than joined into the first: a URL has no whitespace in it.
 fn read_url_file(path: &Path) -> Result<String, ConfigError> {
     let shown = path.display();
-    let contents =
-        std::fs::read_to_string(path).map_err(|e| invalid(format!("--url-file {shown}: {e}")))?;
+    let bytes =
+        crate::input_file::read(path).map_err(|e| invalid(format!("--url-file {shown}: {e}")))?;
+    let contents = String::from_utf8(bytes)
+        .map_err(|_| invalid(format!("--url-file {shown}: not UTF-8 text")))?;
     let mut lines = contents
         .lines()
         .map(str::trim)
@@ -673,731 +571,6 @@ impl std::fmt::Display for LockName {
     }
 }
 
-/// Where the lock lives, chosen by the URL scheme.
-#[derive(Debug)]
-pub enum Target {
-    Mysql(MysqlTarget),
-    Postgres(Box<PostgresTarget>),
-    Redis(Box<RedisTarget>),
-    Etcd(Box<EtcdTarget>),
-    File(PathBuf),
-}
-
-#[derive(Debug, Clone)]
-pub struct MysqlTarget {
-    pub opts: mysql_async::Opts,
-    pub url: RedactedUrl,
-    /// The URL as given, credentials included, for the guard's watchdog process only.
-    pub secret: SecretUrl,
-    /// `--ca-file`, which the watchdog reads again should it have to end the session.
-    pub ca_file: Option<PathBuf>,
-}
-
-/// `--ca-file`: the certificate authorities (PEM) a TLS backend's certificate must chain to. They
-/// replace the built-in roots, as libpq's `sslrootcert=` does, so a private CA is all that is trusted.
-#[derive(Debug, Clone)]
-pub struct CaFile {
-    pub path: PathBuf,
-    pub pem: Vec<u8>,
-}
-
-impl CaFile {
-    /// Read once at start-up, so a missing or unreadable file is a configuration error (exit 2), not
-    /// a backend that refuses the guard.
-    pub fn read(path: &Path) -> Result<CaFile, ConfigError> {
-        let pem = std::fs::read(path)
-            .map_err(|e| invalid(format!("--ca-file {}: {e}", path.display())))?;
-        if !pem
-            .windows(CERTIFICATE_PEM.len())
-            .any(|w| w == CERTIFICATE_PEM)
-        {
-            return Err(invalid(format!(
-                "--ca-file {}: no PEM certificate in it (expected {})",
-                path.display(),
-                String::from_utf8_lossy(CERTIFICATE_PEM)
-            )));
-        }
-        Ok(CaFile {
-            path: path.to_owned(),
-            pem,
-        })
-    }
-}
-
-const CERTIFICATE_PEM: &[u8] = b"-----BEGIN CERTIFICATE-----";
-
-/// A URL with its credentials, which no `Debug` or `Display` ever prints.
-#[derive(Clone)]
-pub struct SecretUrl(String);
-
-impl SecretUrl {
-    pub fn new(raw: String) -> SecretUrl {
-        SecretUrl(raw)
-    }
-
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for SecretUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("SecretUrl(<redacted>)")
-    }
-}
-
-#[derive(Debug, Clone)]
-pub struct PostgresTarget {
-    /// Everything but TLS, which `tls` describes: the driver knows neither `verify-ca` nor
-    /// `verify-full`, so `sslmode` and `sslrootcert` are taken out of the URL before it parses it.
-    pub config: tokio_postgres::Config,
-    pub tls: PostgresTls,
-    pub url: RedactedUrl,
-    /// The URL as given, credentials included, for the guard's watchdog process only.
-    pub secret: SecretUrl,
-}
-
-/// `sslmode` and `sslrootcert`, with libpq's meanings.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PostgresTls {
-    pub mode: SslMode,
-    /// PEM file of the CA certificates to trust; the system's store when `None`.
-    pub ca_file: Option<PathBuf>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SslMode {
-    Disable,
-    /// TLS when the server offers it, without verifying its certificate (libpq's default).
-    Prefer,
-    /// TLS, without verifying the certificate.
-    Require,
-    /// TLS with a certificate signed by a trusted CA.
-    VerifyCa,
-    /// `VerifyCa`, and the certificate names the host connected to.
-    VerifyFull,
-}
-
-impl PostgresTls {
-    /// Splits the TLS parameters off a `postgres://` URL: what is left is for the driver.
-    fn take_from(url: &mut url::Url) -> Result<PostgresTls, ConfigError> {
-        let mut mode = None;
-        let mut ca_file = None;
-        let mut rest = Vec::new();
-        for (key, value) in url.query_pairs() {
-            match key.as_ref() {
-                "sslmode" => mode = Some(value.into_owned()),
-                // libpq's word for the system's trust store, which is also what no CA file means.
-                "sslrootcert" if value == "system" => ca_file = None,
-                "sslrootcert" => ca_file = Some(PathBuf::from(value.as_ref())),
-                // The redacted URL hides only the password of the userinfo part.
-                "password" => {
-                    return Err(invalid(
-                        "--url: give the password in the URL's user part (postgres://user:pass@host/db), not as ?password=",
-                    ))
-                }
-                _ => rest.push((key.into_owned(), value.into_owned())),
-            }
-        }
-        let mode = match mode.as_deref() {
-            None | Some("prefer") => SslMode::Prefer,
-            Some("disable") => SslMode::Disable,
-            // libpq: with a CA file, `require` verifies the chain like `verify-ca`.
-            Some("require") if ca_file.is_some() => SslMode::VerifyCa,
-            Some("require") => SslMode::Require,
-            Some("verify-ca") => SslMode::VerifyCa,
-            Some("verify-full") => SslMode::VerifyFull,
-            Some(other) => {
-                return Err(invalid(format!(
-                    "--url: sslmode={other:?} is not one of disable, prefer, require, verify-ca, verify-full"
-                )))
-            }
-        };
-        if rest.is_empty() {
-            url.set_query(None);
-        } else {
-            url.query_pairs_mut().clear().extend_pairs(rest);
-        }
-        Ok(PostgresTls { mode, ca_file })
-    }
-}
-
-/// A backend URL in the only form that may be printed, with what is needed to scrub its password
-/// from any message that echoes it back.
-#[derive(Debug, Clone)]
-pub struct RedactedUrl {
-    shown: String,
-    /// The password, and the value of any query parameter whose name says it holds a secret.
-    secrets: Vec<String>,
-}
-
-impl RedactedUrl {
-    /// A multi-host URL (`redis+sentinel://u:p@h1,h2/g`), which `url::Url` cannot hold.
-    fn of_parts(scheme: &str, userinfo: Option<&str>, hosts: &str, path: &str) -> RedactedUrl {
-        let (user, password) = match userinfo.map(|u| u.split_once(':')) {
-            Some(Some((user, password))) => (user, Some(password)),
-            Some(None) => (userinfo.unwrap_or_default(), None),
-            None => ("", None),
-        };
-        let password = password.filter(|p| !p.is_empty()).map(|p| {
-            percent_encoding::percent_decode_str(p)
-                .decode_utf8_lossy()
-                .into_owned()
-        });
-        let credentials = match (userinfo, &password) {
-            (None, _) => String::new(),
-            (Some(_), Some(_)) => format!("{user}:***@"),
-            (Some(_), None) => format!("{user}@"),
-        };
-        let mut secrets: Vec<String> = password.into_iter().collect();
-        let path = match path.split_once('?') {
-            Some((path, query)) => format!("{path}?{}", masked_query(query, &mut secrets)),
-            None => path.to_owned(),
-        };
-        secrets.retain(|secret| !secret.is_empty());
-        RedactedUrl {
-            shown: format!("{scheme}://{credentials}{hosts}{path}"),
-            secrets,
-        }
-    }
-
-    fn of(url: &url::Url) -> RedactedUrl {
-        let mut shown = url.clone();
-        let mut secrets = Vec::new();
-        if let Some(password) = url.password() {
-            let _ = shown.set_password(Some("***"));
-            secrets.push(
-                percent_encoding::percent_decode_str(password)
-                    .decode_utf8_lossy()
-                    .into_owned(),
-            );
-        }
-        if let Some(query) = url.query() {
-            shown.set_query(Some(&masked_query(query, &mut secrets)));
-        }
-        // A fragment means nothing to any backend: a password's tail after a `#`, if anything.
-        if let Some(fragment) = url.fragment() {
-            secrets.push(fragment.to_owned());
-            shown.set_fragment(Some("***"));
-        }
-        secrets.retain(|secret| !secret.is_empty());
-        RedactedUrl {
-            shown: shown.to_string(),
-            secrets,
-        }
-    }
-
-    /// `message` with every occurrence of a secret replaced.
-    pub fn scrub(&self, message: impl fmt::Display) -> String {
-        let mut message = message.to_string();
-        for secret in &self.secrets {
-            message = message.replace(secret.as_str(), "***");
-        }
-        message
-    }
-}
-
-/// A PostgreSQL target from its parsed URL; `credentials`, the user and password of a URL whose
-/// userinfo had to be taken out before it could be parsed.
-fn postgres_target(
-    url: url::Url,
-    raw: &str,
-    shown: RedactedUrl,
-    credentials: Option<(String, Option<String>)>,
-) -> Result<Target, ConfigError> {
-    let mut driver_url = url;
-    let tls = PostgresTls::take_from(&mut driver_url)?;
-    let mut config: tokio_postgres::Config = driver_url.as_str().parse().map_err(|e| {
-        // The driver says only "invalid connection string": the parameter it does not know is named.
-        let unknown = driver_url
-            .query_pairs()
-            .map(|(key, _)| key.into_owned())
-            .find(|key| !POSTGRES_PARAMETERS.contains(&key.as_str()));
-        // Named only if it is a plain word: anything else could be a piece of a mistyped password.
-        let plain = |key: &String| key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-        match unknown {
-            Some(key) => invalid(format!(
-                "--url {shown}: unknown parameter {}; known: sslmode, sslrootcert, {}",
-                if plain(&key) {
-                    format!("{key:?}")
-                } else {
-                    "(its name is not shown)".to_owned()
-                },
-                POSTGRES_PARAMETERS.join(", ")
-            )),
-            None => invalid(format!("--url {shown}: {}", shown.scrub(e))),
-        }
-    })?;
-    if let Some((user, password)) = credentials {
-        config.user(user);
-        if let Some(password) = password {
-            config.password(password);
-        }
-    }
-    Ok(Target::Postgres(Box::new(PostgresTarget {
-        config,
-        tls,
-        url: shown,
-        secret: SecretUrl::new(raw.to_owned()),
-    })))
-}
-
-/// Refuses a MySQL, PostgreSQL or Redis URL with an `@` after the first `/`, `?` or `#` of its
-/// authority. Either a password holds one of those (`2024#Spring!@db`), which a URL parser reads as
-/// a host and a fragment and prints unmasked, or a path or query holds an `@`, which a reader that
-/// ends the credentials at the last `@` takes for another server. No guess is safe: both must be
-/// percent-encoded. (etcd's URLs end the credentials at the last `@`, and say so.)
-fn unambiguous_credentials(raw: &str) -> Result<(), ConfigError> {
-    let Some((scheme, rest)) = raw.split_once("://") else {
-        return Ok(());
-    };
-    let sql_or_redis =
-        matches!(scheme, "mysql" | "postgres" | "postgresql") || scheme.starts_with("redis");
-    let after_delimiter = rest
-        .find(['/', '?', '#'])
-        .is_some_and(|at| rest[at..].contains('@'));
-    if sql_or_redis && after_delimiter {
-        return Err(invalid(
-            "--url: an @ comes after a /, ? or # (the URL is not shown, since it may hold a \
-             password): percent-encode a password's / ? # as %2F %3F %23, and an @ in a path or \
-             query as %40",
-        ));
-    }
-    Ok(())
-}
-
-/// The URL parameters the PostgreSQL driver takes (`sslmode` and `sslrootcert` are the guard's).
-const POSTGRES_PARAMETERS: &[&str] = &[
-    "user",
-    "password",
-    "dbname",
-    "options",
-    "application_name",
-    "host",
-    "hostaddr",
-    "port",
-    "connect_timeout",
-    "tcp_user_timeout",
-    "keepalives",
-    "keepalives_idle",
-    "keepalives_interval",
-    "keepalives_retries",
-    "target_session_attrs",
-    "channel_binding",
-    "load_balance_hosts",
-    "sslnegotiation",
-    "sslcert",
-    "sslkey",
-];
-
-/// libpq's form for a Unix socket with credentials, `postgres://user:pass@/db?host=/dir`, has an
-/// empty host, which `url::Url` refuses when a user is named: the credentials are taken out (up to
-/// the last `@`, as a password may hold one) and given to the driver apart. `None`: not that form.
-fn postgres_socket_with_credentials(raw: &str) -> Option<Result<Target, ConfigError>> {
-    let (scheme, rest) = raw.split_once("://")?;
-    if !matches!(scheme, "postgres" | "postgresql") {
-        return None;
-    }
-    let (userinfo, after) = rest.rsplit_once('@')?;
-    if !(after.is_empty() || after.starts_with('/') || after.starts_with('?')) {
-        return None;
-    }
-    let decode = |part: &str| {
-        percent_encoding::percent_decode_str(part)
-            .decode_utf8_lossy()
-            .into_owned()
-    };
-    let (user, password) = match userinfo.split_once(':') {
-        Some((user, password)) => (decode(user), Some(decode(password))),
-        None => (decode(userinfo), None),
-    };
-    let shown = RedactedUrl::of_parts(scheme, Some(userinfo), "", after);
-    let hostless = format!("{scheme}://{after}");
-    Some(match url::Url::parse(&hostless) {
-        Ok(url) => postgres_target(url, raw, shown, Some((user, password))),
-        Err(e) => Err(invalid(format!("--url {shown}: not a valid URL ({e})"))),
-    })
-}
-
-/// A URL's query as it may be printed: the values of the parameters known to hold no secret, and
-/// `***` for every other (a driver that refuses `?password=`, or a misspelt `?pasword=`, echoes the
-/// URL). The hidden values join `secrets`, so a message that repeats one is scrubbed too; values
-/// too short to be a credential stay out, or every `1` of a message would be scrubbed.
-fn masked_query(query: &str, secrets: &mut Vec<String>) -> String {
-    const CREDENTIAL_WORDS: &[&str] = &["password", "pass", "pwd", "token", "secret"];
-    const SHOWN: &[&str] = &[
-        "sslmode",
-        "sslrootcert",
-        "host",
-        "hostaddr",
-        "port",
-        "dbname",
-        "user",
-        "application_name",
-        "connect_timeout",
-        "target_session_attrs",
-        "socket",
-        "prefer_socket",
-        "require_ssl",
-        "verify_ca",
-        "verify_identity",
-        "wait_timeout",
-        "db",
-        "protocol",
-    ];
-    query
-        .split('&')
-        .map(|pair| {
-            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-            let decode = |text: &str| {
-                url::form_urlencoded::parse(format!("x={text}").as_bytes())
-                    .next()
-                    .map(|(_, v)| v.into_owned())
-                    .unwrap_or_default()
-            };
-            let name = decode(key);
-            if SHOWN.contains(&name.to_ascii_lowercase().as_str()) {
-                pair.to_owned()
-            } else {
-                let value = decode(value);
-                if value.len() >= 4 {
-                    secrets.push(value);
-                }
-                // The name too: `?password=Xy7&kP9qRt` makes a parameter of a password's tail,
-                // and a driver that refuses it names it. Only the words that say a credential
-                // follows stay out of the scrubbing, so messages keep them.
-                if !CREDENTIAL_WORDS.contains(&name.to_ascii_lowercase().as_str())
-                    && name.len() >= 4
-                {
-                    secrets.push(name);
-                }
-                "***=***".to_owned()
-            }
-        })
-        .collect::<Vec<_>>()
-        .join("&")
-}
-
-impl fmt::Display for RedactedUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.shown)
-    }
-}
-
-impl Target {
-    pub fn parse(raw: &str, redis_prefix: &str) -> Result<Target, ConfigError> {
-        unambiguous_credentials(raw)?;
-        // `redis:/host` or `mysql:host`: a known scheme whose `//` is missing.
-        if let Some((scheme, _)) = raw.split_once(':') {
-            let known = [
-                "mysql",
-                "postgres",
-                "postgresql",
-                "redis",
-                "rediss",
-                "redis+sentinel",
-                "rediss+sentinel",
-                "redis+cluster",
-                "rediss+cluster",
-                "etcd",
-                "etcds",
-            ];
-            if known.contains(&scheme) && !raw[scheme.len()..].starts_with("://") {
-                return Err(invalid(format!(
-                    "--url: a {scheme} URL starts with {scheme}:// (as in {scheme}://host:port)"
-                )));
-            }
-        }
-        if let Some(redis) = RedisTarget::parse(raw, redis_prefix) {
-            return Ok(Target::Redis(Box::new(redis?)));
-        }
-        if let Some(etcd) = EtcdTarget::parse(raw) {
-            return Ok(Target::Etcd(Box::new(etcd?)));
-        }
-        if let Some(socket) = postgres_socket_with_credentials(raw) {
-            return socket;
-        }
-        let url = url::Url::parse(raw).map_err(|e| {
-            invalid(format!(
-                "--url: not a valid URL ({e}); expected mysql://, postgres://, redis://, rediss://, redis+sentinel://, redis+cluster://, etcd://, etcds:// or file:///abs/path.lock"
-            ))
-        })?;
-        match url.scheme() {
-            "mysql" => {
-                let shown = RedactedUrl::of(&url);
-                let mut opts = mysql_async::Opts::from_url(raw).map_err(|e| {
-                    // libpq's and the MySQL client's words for TLS, which this driver does not know.
-                    let tls_word = url.query_pairs().any(|(key, _)| {
-                        matches!(key.to_ascii_lowercase().as_str(), "ssl-mode" | "sslmode" | "ssl_mode" | "ssl")
-                    });
-                    let hint = if tls_word {
-                        "; ask for TLS with ?require_ssl=true (and --ca-file for a private CA)"
-                    } else {
-                        ""
-                    };
-                    invalid(format!("--url {shown}: {}{hint}", shown.scrub(e)))
-                })?;
-                // The driver would hand a bracketed IPv6 literal ("[::1]") to the resolver as a
-                // host name; it gets the address itself instead.
-                if let Some(url::Host::Ipv6(address)) = url.host() {
-                    opts = mysql_async::OptsBuilder::from_opts(opts)
-                        .ip_or_hostname(address.to_string())
-                        .into();
-                }
-                let url = shown;
-                Ok(Target::Mysql(MysqlTarget {
-                    opts,
-                    url,
-                    secret: SecretUrl::new(raw.to_owned()),
-                    ca_file: None,
-                }))
-            }
-            "postgres" | "postgresql" => {
-                let shown = RedactedUrl::of(&url);
-                postgres_target(url, raw, shown, None)
-            }
-            "file" => {
-                // The URL parser reads `file:rel.lock` and `file:./rel.lock` as `/rel.lock`: a lock at
-                // the root, far from the relative path the user meant. Only a path that starts at
-                // `/` (after `file:` or after `file://host`) is taken.
-                if !raw.get("file:".len()..).is_some_and(|rest| rest.starts_with('/')) {
-                    return Err(invalid(
-                        "--url: a file: URL needs an absolute path; use file:///abs/path.lock",
-                    ));
-                }
-                if !matches!(url.host_str(), None | Some("") | Some("localhost")) {
-                    return Err(invalid(format!(
-                        "--url {url}: a file lock is local to this host; use file:///abs/path.lock"
-                    )));
-                }
-                let path = url
-                    .to_file_path()
-                    .map_err(|()| invalid(format!("--url {url}: not an absolute file path")))?;
-                if path.file_name().is_none() || raw.ends_with('/') {
-                    return Err(invalid(format!("--url {url}: names a directory, not a lock file")));
-                }
-                Ok(Target::File(path))
-            }
-            other => Err(invalid(format!(
-                "--url: unsupported scheme {other:?}; expected mysql://, postgres://, redis://, rediss://, redis+sentinel://, \
-                 redis+cluster:// (or their TLS forms rediss+...), etcd://, etcds:// or file://"
-            ))),
-        }
-    }
-
-    /// The same target, verifying the server's certificate against `ca` only. A CA for a connection
-    /// without TLS would protect nothing, so it is a configuration error rather than ignored.
-    pub fn trusting(self, ca: &CaFile) -> Result<Target, ConfigError> {
-        let shown = ca.path.display();
-        match self {
-            Target::Mysql(mut mysql) => {
-                let Some(tls) = mysql.opts.ssl_opts().cloned() else {
-                    return Err(invalid(format!(
-                        "--ca-file {shown}: {} does not use TLS; add ?require_ssl=true to the URL",
-                        mysql.url
-                    )));
-                };
-                let tls = tls
-                    .with_root_certs(vec![ca.pem.clone().into()])
-                    .with_disable_built_in_roots(true);
-                mysql.opts = mysql_async::OptsBuilder::from_opts(mysql.opts)
-                    .ssl_opts(Some(tls))
-                    .into();
-                mysql.ca_file = Some(ca.path.clone());
-                Ok(Target::Mysql(mysql))
-            }
-            Target::Redis(redis) => {
-                if !redis.uses_tls() {
-                    return Err(invalid(format!(
-                        "--ca-file {shown}: {} does not use TLS; use rediss://, rediss+sentinel:// or rediss+cluster://",
-                        redis.url
-                    )));
-                }
-                let url = redis.url.clone();
-                let redis = redis
-                    .trusting(&ca.pem)
-                    .map_err(|e| invalid(format!("--ca-file {shown}: {}", url.scrub(e))))?;
-                Ok(Target::Redis(Box::new(redis)))
-            }
-            Target::Postgres(mut postgres) => {
-                if postgres.tls.mode == SslMode::Disable {
-                    return Err(invalid(format!(
-                        "--ca-file {shown}: {} has sslmode=disable; use sslmode=verify-full",
-                        postgres.url
-                    )));
-                }
-                // As libpq does with sslrootcert: a CA to trust means the certificate is checked.
-                if matches!(postgres.tls.mode, SslMode::Prefer | SslMode::Require) {
-                    postgres.tls.mode = SslMode::VerifyCa;
-                }
-                postgres.tls.ca_file = Some(ca.path.clone());
-                Ok(Target::Postgres(postgres))
-            }
-            Target::Etcd(mut etcd) => {
-                if !etcd.tls {
-                    return Err(invalid(format!(
-                        "--ca-file {shown}: {} does not use TLS; use etcds://",
-                        etcd.url
-                    )));
-                }
-                etcd.ca = Some(ca.clone());
-                Ok(Target::Etcd(etcd))
-            }
-            Target::File(path) => Err(invalid(format!(
-                "--ca-file {shown}: file://{} is a local lock and uses no TLS",
-                path.display()
-            ))),
-        }
-    }
-
-    /// Where the lock lives, safe to print.
-    pub fn location(&self) -> String {
-        match self {
-            Target::Mysql(mysql) => mysql.url.to_string(),
-            Target::Postgres(postgres) => postgres.url.to_string(),
-            Target::Redis(redis) => redis.url.to_string(),
-            Target::Etcd(etcd) => etcd.url.to_string(),
-            Target::File(path) => format!("file://{}", path.display()),
-        }
-    }
-
-    pub fn backend_name(&self) -> &'static str {
-        match self {
-            Target::Mysql(_) => "mysql",
-            Target::Postgres(_) => "postgres",
-            Target::Redis(_) => "redis",
-            Target::Etcd(_) => "etcd",
-            Target::File(_) => "file",
-        }
-    }
-}
-
-/// The timing knobs and the one inequality they must keep.
-///
-/// Every duration is measured on the guard's monotonic clock. The guard proves ownership every
-/// `check_interval`; a proof that takes longer than `check_timeout` counts as a lost lock; once the lock
-/// is lost the command gets `grace_period` between the stop signal and SIGKILL. A Redis lease lasts
-/// `ttl` from the moment its last renewal was sent and is renewed every `renew_interval`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Timings {
-    pub check_interval: Duration,
-    pub check_timeout: Duration,
-    pub connect_timeout: Duration,
-    pub grace_period: Duration,
-    pub ttl: Duration,
-    pub renew_interval: Duration,
-}
-
-impl Timings {
-    /// The longest a silent (partitioned or stalled) backend can go unnoticed: one check is outstanding
-    /// for at most `check_interval + check_timeout`.
-    pub fn detection_bound(&self) -> Duration {
-        self.check_interval + self.check_timeout
-    }
-
-    /// The shortest time, in whole seconds, after which a server may end a silent session and free
-    /// its lock: MySQL's `wait_timeout`; PostgreSQL's `idle_session_timeout`, `tcp_user_timeout` and
-    /// TCP keepalive idle time. The guard has detected the silence and killed its command by then.
-    ///
-    /// The server counts a session idle from when it *sent* its last answer, the guard from when it
-    /// sends its next question, and an answer counts if it arrives within its budget. So the worst
-    /// case is an answer sent the moment the server could (a check right after its sleep, a grant at
-    /// once) that reaches the guard as late as it may, followed by silence: the guard's next
-    /// question, sent then, sets the app's deadline one budget and a grace period later still.
-    /// - a check: the server answers `check_interval` after the question, the answer may arrive
-    ///   `check_interval + check_timeout` after it; the deadline that follows is `2 x (interval +
-    ///   timeout) + grace` after the question, `interval + 2 x timeout + grace` after the answer;
-    /// - a grant: the server may answer at once, the grant may arrive `chunk + check_timeout` after
-    ///   the question (`MAX_LOCK_WAIT_CHUNK`); the deadline that follows is `chunk + interval + 2 x
-    ///   timeout + grace` after the answer.
-    ///
-    /// The second is the longer; the margin covers scheduling on the guard's host.
-    pub fn session_timeout_secs(&self) -> u64 {
-        let needed = self.worst_answer_to_deadline() + SESSION_SAFETY_MARGIN;
-        needed.as_secs() + u64::from(needed.subsec_nanos() > 0)
-    }
-
-    /// The longest the guard can rely on a lock after the server sent its last answer (see
-    /// `session_timeout_secs`). Also what a MySQL or PostgreSQL holder records as the longest its
-    /// app may outlive a lock taken away while the server still answers, and a standby's own bound:
-    /// a primary demoted in place (a switchover) right after an answer that found it writable is
-    /// noticed only by a later answer, which may come this late (right after a grant, a lock wait
-    /// chunk and the record's statements go first).
-    pub fn worst_answer_to_deadline(&self) -> Duration {
-        MAX_LOCK_WAIT_CHUNK + self.check_interval + 2 * self.check_timeout + self.grace_period
-    }
-
-    /// What the guard subtracts from a Redis lease for clock-rate drift between guard and server and
-    /// for its own scheduling: 1% of the ttl plus 100ms.
-    pub fn lease_drift_margin(&self) -> Duration {
-        self.ttl / 100 + Duration::from_millis(100)
-    }
-
-    /// How long after a renewal was sent the guard may rely on the lease.
-    pub fn lease_validity(&self) -> Duration {
-        self.ttl.saturating_sub(self.lease_drift_margin())
-    }
-
-    pub fn validate(&self, target: Option<&Target>) -> Result<(), ConfigError> {
-        let show = |d: Duration| crate::vocab::show_duration(d);
-        at_least("--check-interval", self.check_interval, MIN_CHECK_INTERVAL)?;
-        at_least("--check-timeout", self.check_timeout, MIN_CHECK_TIMEOUT)?;
-        if self.connect_timeout.is_zero() {
-            return Err(invalid("--connect-timeout must be longer than 0s"));
-        }
-        if let Some(Target::Mysql(_)) = target {
-            let wait_timeout = self.session_timeout_secs();
-            if wait_timeout > MYSQL_MAX_WAIT_TIMEOUT_SECS {
-                return Err(invalid(format!(
-                    "the MySQL server must not free the lock before the guard has stopped the command, \
-                     which needs wait_timeout = lock wait {} + check-interval {} + 2 x check-timeout {} + grace-period {} + margin {} = {wait_timeout}s, \
-                     above the server's maximum of {MYSQL_MAX_WAIT_TIMEOUT_SECS}s: shorten --grace-period or --check-interval",
-                    show(MAX_LOCK_WAIT_CHUNK),
-                    show(self.check_interval),
-                    show(self.check_timeout),
-                    show(self.grace_period),
-                    show(SESSION_SAFETY_MARGIN),
-                )));
-            }
-        }
-        if let Some(Target::Redis(_) | Target::Etcd(_)) = target {
-            self.validate_lease()?;
-        }
-        Ok(())
-    }
-
-    /// A renewal attempt starts every renew-interval and gives up after check-timeout; the app must be
-    /// told to stop grace-period before the lease can run out. So one renewal must always fit between
-    /// the last confirmed one and the moment the stop begins.
-    fn validate_lease(&self) -> Result<(), ConfigError> {
-        let show = |d: Duration| crate::vocab::show_duration(d);
-        if self.renew_interval.is_zero() {
-            return Err(invalid("--renew-interval must be longer than 0s"));
-        }
-        let margin = self.lease_drift_margin();
-        let budget = self
-            .ttl
-            .saturating_sub(margin)
-            .saturating_sub(self.grace_period);
-        let needed = self.renew_interval + self.check_timeout;
-        if self.ttl <= margin + self.grace_period || budget < needed {
-            return Err(invalid(format!(
-                "unsafe lease timings: ttl {} - drift margin {} - grace-period {} = {} must be at least \
-                 renew-interval {} + check-timeout {} = {}, or the app could outlive its lease; \
-                 raise --ttl, or lower --grace-period, --renew-interval or --check-timeout",
-                show(self.ttl),
-                show(margin),
-                show(self.grace_period),
-                show(budget),
-                show(self.renew_interval),
-                show(self.check_timeout),
-                show(needed),
-            )));
-        }
-        Ok(())
-    }
-}
-
 /// Accepts `TERM`, `SIGTERM` (any case) or a number.
 /// A signal as `option` takes it: `TERM`, `SIGTERM` or `15`.
 pub fn parse_signal(option: &str, raw: &str) -> Result<Signal, ConfigError> {
@@ -1448,6 +621,22 @@ impl ExitCodeMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A target's `Debug` (reachable through every configuration type that derives it) names no
+    /// password: the drivers' own options would print it.
+    #[test]
+    fn no_target_debug_shows_the_password() {
+        for url in [
+            "mysql://u:Pw-sEcret-77@127.0.0.1:3306/db",
+            "postgres://u:Pw-sEcret-77@127.0.0.1:5432/db",
+            "redis://u:Pw-sEcret-77@127.0.0.1:6379",
+            "etcd://u:Pw-sEcret-77@127.0.0.1:2379",
+        ] {
+            let target = Target::parse(url, "sg").unwrap();
+            let shown = format!("{target:?}");
+            assert!(!shown.contains("sEcret"), "{url}: {shown}");
+        }
+    }
 
     fn timings(interval: u64, timeout: u64, grace: u64) -> Timings {
         Timings {
@@ -1677,7 +866,7 @@ mod tests {
             panic!("not postgres")
         };
         assert_eq!(t.url.to_string(), "postgres://guard:***@db:5432/app?sslmode=verify-ca&sslrootcert=/ca.pem&connect_timeout=3");
-        assert_eq!(t.tls.ca_file, Some(PathBuf::from("/ca.pem")));
+        assert_eq!(t.tls.ca_file, Some(std::path::PathBuf::from("/ca.pem")));
         assert_eq!(t.config.get_password(), Some(&b"s@cret"[..]));
     }
 

@@ -251,18 +251,11 @@ fn session(t: &Timings, delay: TakeoverDelay, target: &Target) -> (Vec<Quantity>
     (quantities, faults)
 }
 
-/// Redis and etcd: a lease the guard renews; the app is stopped before the lease can run out.
-fn lease(
-    t: &Timings,
-    delay: TakeoverDelay,
-    etcd: bool,
-    failover_loses_lease: bool,
-) -> (Vec<Quantity>, Vec<Fault>) {
-    let margin = t.lease_drift_margin();
+/// The quantities of a lease's timeline.
+fn lease_quantities(t: &Timings) -> Vec<Quantity> {
     let validity = t.lease_validity();
-    let bound = t.ttl + t.grace_period;
     let stop_at = validity.saturating_sub(t.grace_period);
-    let quantities = vec![
+    vec![
         Quantity {
             name: "lease",
             value: t.ttl,
@@ -275,7 +268,7 @@ fn lease(
         },
         Quantity {
             name: "drift margin",
-            value: margin,
+            value: t.lease_drift_margin(),
             formula: "ttl/100 + 100ms, for clock-rate drift and scheduling".to_owned(),
         },
         Quantity {
@@ -292,10 +285,23 @@ fn lease(
         },
         Quantity {
             name: "recorded bound",
-            value: bound,
+            value: t.ttl + t.grace_period,
             formula: "ttl + grace period: what a holder records as the longest its app may outlive the lock".to_owned(),
         },
-    ];
+    ]
+}
+
+/// Redis and etcd: a lease the guard renews; the app is stopped before the lease can run out.
+fn lease(
+    t: &Timings,
+    delay: TakeoverDelay,
+    etcd: bool,
+    failover_loses_lease: bool,
+) -> (Vec<Quantity>, Vec<Fault>) {
+    let validity = t.lease_validity();
+    let bound = t.ttl + t.grace_period;
+    let stop_at = validity.saturating_sub(t.grace_period);
+    let quantities = lease_quantities(t);
     // A renewal is due every renew-interval and bounded by check-timeout; on Redis a role query of
     // half a check-timeout goes first, and a "not owner" answer counts however late it comes.
     let noticed_loss = t.renew_interval

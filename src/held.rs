@@ -50,7 +50,7 @@ enum State {
     /// each answer, since the guard may not have acted on a report yet.
     Held {
         fencing_token: Option<String>,
-        dead_by: Option<watch::Receiver<Deadline>>,
+        app_deadline: Option<watch::Receiver<Deadline>>,
         lost: Option<watch::Receiver<Option<LockLoss>>>,
         grace: Duration,
     },
@@ -79,7 +79,7 @@ impl Vouching {
     pub fn held(&self, lock: &HeldLock, grace: Duration) {
         self.set(State::Held {
             fencing_token: lock.fencing_token(),
-            dead_by: lock.app_deadline(),
+            app_deadline: lock.app_deadline(),
             lost: lock.loss_reports(),
             grace,
         });
@@ -101,14 +101,14 @@ impl Vouching {
     fn answer(&self) -> String {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if let State::Held {
-            dead_by,
+            app_deadline,
             lost,
             grace,
             ..
         } = &*state
         {
             let reported = lost.as_ref().and_then(|rx| rx.borrow().clone());
-            let expired = dead_by
+            let expired = app_deadline
                 .as_ref()
                 .is_some_and(|rx| rx.borrow().minus(*grace).has_passed());
             if let Some(loss) = reported {
@@ -123,11 +123,11 @@ impl Vouching {
         match &*state {
             State::Held {
                 fencing_token,
-                dead_by,
+                app_deadline,
                 grace,
                 ..
             } => {
-                let valid_for_ms = dead_by
+                let valid_for_ms = app_deadline
                     .as_ref()
                     .map(|rx| rx.borrow().minus(*grace))
                     .filter(|until| *until != Deadline::NEVER)

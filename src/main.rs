@@ -12,6 +12,7 @@ mod guard;
 mod handoff;
 mod held;
 mod holder;
+mod input_file;
 mod logging;
 mod manpage;
 mod metrics;
@@ -40,16 +41,12 @@ fn main() -> ExitCode {
     // --parent-death-signal.
     let parent = nix::unistd::getppid();
     // The guard's own watchdog process, not a command for operators (hidden from --help).
-    if std::env::args_os()
-        .nth(1)
-        .is_some_and(|arg| arg == "__watchdog")
-    {
-        // The watchdog sets up its logging itself, once it has something to say.
-        let args: Vec<String> = std::env::args_os()
-            .skip(2)
-            .map(|a| a.to_string_lossy().into_owned())
-            .collect();
-        return supervisor::watchdog::main(&args, backend::say_farewell);
+    let args: Vec<String> = std::env::args_os()
+        .skip(1)
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    if let Some(code) = supervisor::watchdog::main_if_asked(&args, backend::say_farewell) {
+        return ExitCode::from(code);
     }
     let cli = cli::command()
         .try_get_matches()
@@ -226,4 +223,29 @@ fn guard(
     parent: nix::unistd::Pid,
 ) -> anyhow::Result<Outcome> {
     Ok(runtime()?.block_on(guard::run(config, endpoints, parent)))
+}
+
+/// In the unit tests' binary, the watchdog the guard runs (`/proc/self/exe __watchdog`) is that
+/// binary, whose own `main` is the test harness: the watchdog is entered before it, as `main` enters
+/// it in the guard's binary. The command line comes from `/proc`, since the standard library may not
+/// have read it this early. Only as the guard runs it, `/proc/self/exe` first: a test filter
+/// `__watchdog` stays a filter.
+#[cfg(test)]
+#[ctor::ctor(unsafe)]
+fn watchdog_in_unit_tests() {
+    let cmdline = std::fs::read("/proc/self/cmdline").unwrap_or_default();
+    let argv: Vec<String> = cmdline
+        .strip_suffix(&[0])
+        .unwrap_or_default()
+        .split(|byte| *byte == 0)
+        .map(|arg| String::from_utf8_lossy(arg).into_owned())
+        .collect();
+    let Some((program, args)) = argv.split_first() else {
+        return;
+    };
+    if program == "/proc/self/exe" {
+        if let Some(code) = supervisor::watchdog::main_if_asked(args, backend::say_farewell) {
+            std::process::exit(code.into());
+        }
+    }
 }

@@ -56,6 +56,27 @@ pub struct Checks {
 }
 
 impl Checks {
+    /// The ownership checks' series.
+    fn register(registry: &mut Registry) -> Checks {
+        let checks = Checks {
+            total: zeroed("outcome", CheckOutcome::ALL.map(CheckOutcome::as_str)),
+            duration: Histogram::new([
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            ]),
+        };
+        registry.register(
+            "checks",
+            "Ownership checks of the held lock, by outcome",
+            checks.total.clone(),
+        );
+        registry.register(
+        "check_duration_seconds",
+        "Time an ownership check took to answer, excluding the deliberate server-side sleep (MySQL SLEEP, PostgreSQL pg_sleep)",
+        checks.duration.clone(),
+    );
+        checks
+    }
+
     /// `took` excludes any wait the check asks of the server on purpose (MySQL's `SLEEP`), so the
     /// histogram shows how close answers come to `--check-timeout`.
     pub fn record(&self, outcome: CheckOutcome, took: Duration) {
@@ -99,6 +120,75 @@ struct Runs {
     last_end: Gauge<f64, AtomicU64>,
 }
 
+impl Runs {
+    /// The scheduled job's series, for windows of `period`.
+    fn register(registry: &mut Registry, period: Duration) -> Runs {
+        let runs = Runs {
+            total: zeroed("outcome", WindowOutcome::ALL.map(WindowOutcome::as_str)),
+            last_exit_code: Gauge::default(),
+            last_end: Gauge::default(),
+        };
+        registry.register(
+            "runs",
+            "Windows of a scheduled job, by what became of them on this replica",
+            runs.total.clone(),
+        );
+        registry.register(
+            "last_run_exit_code",
+            "Exit code of the last run this replica started (the guard's code for it)",
+            runs.last_exit_code.clone(),
+        );
+        registry.register(
+            "last_run_end_timestamp_seconds",
+            "When the last run this replica started ended, in seconds since the Unix epoch",
+            runs.last_end.clone(),
+        );
+        let seconds = Gauge::<f64, AtomicU64>::default();
+        seconds.set(period.as_secs_f64());
+        registry.register(
+            "window_seconds",
+            "--every or --once-per: the length of one window",
+            seconds,
+        );
+        // With the last run's end, what tells "has not run for two windows" after a restart.
+        let started = Gauge::<f64, AtomicU64>::default();
+        started.set(unix_seconds(std::time::SystemTime::now()));
+        registry.register(
+            "scheduler_start_timestamp_seconds",
+            "When this scheduler started, in seconds since the Unix epoch",
+            started,
+        );
+        runs
+    }
+}
+
+impl AppHealth {
+    /// `--health-cmd`'s series.
+    fn register(registry: &mut Registry) -> AppHealth {
+        let health = AppHealth {
+            checks_total: zeroed("outcome", ["passed", "failed"]),
+            healthy: Gauge::default(),
+            unhealthy: Gauge::default(),
+        };
+        registry.register(
+            "health_checks",
+            "--health-cmd runs, by outcome (a timeout is a failure)",
+            health.checks_total.clone(),
+        );
+        registry.register(
+            "app_healthy",
+            "1 while the app's last health check passed",
+            health.healthy.clone(),
+        );
+        registry.register(
+            "app_unhealthy",
+            "1 once --health-retries checks in a row failed: the guard is stepping down",
+            health.unhealthy.clone(),
+        );
+        health
+    }
+}
+
 impl Metrics {
     pub fn new(
         name: &str,
@@ -131,22 +221,7 @@ impl Metrics {
             "Locks lost while held, by reason",
             lock_lost_total.clone(),
         );
-        let checks = Checks {
-            total: zeroed("outcome", CheckOutcome::ALL.map(CheckOutcome::as_str)),
-            duration: Histogram::new([
-                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-            ]),
-        };
-        registry.register(
-            "checks",
-            "Ownership checks of the held lock, by outcome",
-            checks.total.clone(),
-        );
-        registry.register(
-            "check_duration_seconds",
-            "Time an ownership check took to answer, excluding the deliberate server-side sleep (MySQL SLEEP, PostgreSQL pg_sleep)",
-            checks.duration.clone(),
-        );
+        let checks = Checks::register(&mut registry);
         let check_timeout_gauge = Gauge::<f64, AtomicU64>::default();
         check_timeout_gauge.set(check_timeout.as_secs_f64());
         registry.register(
@@ -182,67 +257,8 @@ impl Metrics {
             "1 when SINGLE_INSTANCE_GUARD=false runs the app without any lock",
             unguarded_gauge,
         );
-        let runs = window.map(|period| {
-            let runs = Runs {
-                total: zeroed("outcome", WindowOutcome::ALL.map(WindowOutcome::as_str)),
-                last_exit_code: Gauge::default(),
-                last_end: Gauge::default(),
-            };
-            registry.register(
-                "runs",
-                "Windows of a scheduled job, by what became of them on this replica",
-                runs.total.clone(),
-            );
-            registry.register(
-                "last_run_exit_code",
-                "Exit code of the last run this replica started (the guard's code for it)",
-                runs.last_exit_code.clone(),
-            );
-            registry.register(
-                "last_run_end_timestamp_seconds",
-                "When the last run this replica started ended, in seconds since the Unix epoch",
-                runs.last_end.clone(),
-            );
-            let seconds = Gauge::<f64, AtomicU64>::default();
-            seconds.set(period.as_secs_f64());
-            registry.register(
-                "window_seconds",
-                "--every or --once-per: the length of one window",
-                seconds,
-            );
-            // With the last run's end, what tells "has not run for two windows" after a restart.
-            let started = Gauge::<f64, AtomicU64>::default();
-            started.set(unix_seconds(std::time::SystemTime::now()));
-            registry.register(
-                "scheduler_start_timestamp_seconds",
-                "When this scheduler started, in seconds since the Unix epoch",
-                started,
-            );
-            runs
-        });
-        let health = health_checked.then(|| {
-            let health = AppHealth {
-                checks_total: zeroed("outcome", ["passed", "failed"]),
-                healthy: Gauge::default(),
-                unhealthy: Gauge::default(),
-            };
-            registry.register(
-                "health_checks",
-                "--health-cmd runs, by outcome (a timeout is a failure)",
-                health.checks_total.clone(),
-            );
-            registry.register(
-                "app_healthy",
-                "1 while the app's last health check passed",
-                health.healthy.clone(),
-            );
-            registry.register(
-                "app_unhealthy",
-                "1 once --health-retries checks in a row failed: the guard is stepping down",
-                health.unhealthy.clone(),
-            );
-            health
-        });
+        let runs = window.map(|period| Runs::register(&mut registry, period));
+        let health = health_checked.then(|| AppHealth::register(&mut registry));
         registry.register(
             "build",
             "The guard's version",

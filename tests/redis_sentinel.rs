@@ -131,10 +131,13 @@ fn assert_failover_is_safe(group: &mut Sentinels, failover: impl FnOnce(&mut Sen
     );
     let standby_app = read_pid(&pair.standby_pid, Duration::from_secs(1));
     if kept {
+        // A release acknowledged by a replica is a clean hand-over, unless the standby's own first
+        // grant went unacknowledged (the remaining replica still syncing with the new primary): its
+        // retry then finds its own lease, not the release, and waits as after any unclear hand-over.
+        let log = pair.standby.log_text();
         assert!(
-            pair.standby.log_text().contains("previous=released"),
-            "a release acknowledged by a replica is a clean hand-over: {}",
-            pair.standby.log_text()
+            log.contains("previous=released") || log.contains("replicas acknowledged within"),
+            "a release acknowledged by a replica is a clean hand-over: {log}"
         );
     }
     assert!(alive(standby_app));

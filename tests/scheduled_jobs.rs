@@ -510,3 +510,63 @@ fn postgres_user_without_create_is_given_the_sql() {
     assert!(!log.contains(common::postgres::PASSWORD), "{log}");
     assert!(runs_per_window(&lab).is_empty());
 }
+
+/// Redis with `--redis-min-replicas 1`: a window's claim the replica did not acknowledge could be
+/// lost in a failover and the window claimed again elsewhere, so it is not run (skipped, exit 69,
+/// `claim_unreplicated`); its claim says the command never started, so with the replica back the
+/// window runs, once.
+#[test]
+fn a_claim_the_replicas_lack_is_skipped_and_the_window_runs_once_later() {
+    let primary = Redis::start();
+    let replica = Redis::start_with(&[
+        "--replicaof".to_owned(),
+        "127.0.0.1".to_owned(),
+        primary.port.to_string(),
+    ]);
+    let linked = || {
+        replica
+            .cli(&["INFO", "replication"])
+            .contains("master_link_status:up")
+    };
+    assert!(wait_until(LONG, linked), "the replica never linked");
+    let mut lab = Lab::new();
+    let runs = lab.path("runs");
+    let url = primary.url();
+    let args = [
+        "--url",
+        &url,
+        "--name",
+        "unkept",
+        "--redis-min-replicas",
+        "1",
+        "--once-per",
+        "30d",
+        // The claim comes after the takeover delay: time to stop the replica once the lease (and
+        // its WAIT) went through.
+        "--takeover-delay",
+        "3s",
+    ];
+    let append = format!("echo ran >> {}", runs.display());
+    let app = ["sh", "-c", &append];
+    let mut guard = lab.spawn(&args, &app);
+    assert!(
+        wait_until(LONG, || guard.log_text().contains("takeover_delayed")),
+        "{}",
+        guard.log_text()
+    );
+    common::send(replica.pid(), 19);
+    let code = guard.code(LONG);
+    common::send(replica.pid(), 18);
+    let log = guard.log_text();
+    assert_eq!(code, 69, "{log}");
+    assert!(log.contains("event=\"claim_unreplicated\""), "{log}");
+    assert!(log.contains("outcome=unavailable_skipped"), "{log}");
+    assert!(!runs.exists(), "the unkept window ran: {log}");
+
+    assert!(wait_until(LONG, linked), "the replica never came back");
+    let (code, log) = lab.run(&args, &app, LONG);
+    assert_eq!(code, 0, "{log}");
+    let (_, log) = lab.run(&args, &app, LONG);
+    assert!(log.contains("outcome=claimed_elsewhere"), "{log}");
+    assert_eq!(std::fs::read_to_string(&runs).unwrap(), "ran\n");
+}

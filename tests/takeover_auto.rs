@@ -141,10 +141,11 @@ fn a_lock_taken_away_never_runs_two_apps_and_a_clean_release_hands_over_at_once(
             asked.elapsed(),
             third.log_text()
         );
+        // The guard's log is written off the path to the app's start: the line may follow the app.
         assert!(
-            third
+            wait_until(Duration::from_secs(5), || third
                 .log_text()
-                .contains("event=\"takeover_delay_skipped\" reason=released"),
+                .contains("event=\"takeover_delay_skipped\" reason=released")),
             "{}: {}",
             backend.name(),
             third.log_text()
@@ -309,4 +310,64 @@ fn a_fencing_counter_set_back_by_hand_starts_no_app_and_exits_69() {
             backend.name()
         );
     }
+}
+
+/// A Redis grant whose answer never reached the guard (each answer held back past
+/// `--check-timeout`, so the guard gave up on it and on its connection) is found again by the
+/// retry, which is answered as the grant was: after a clean release, the app starts at once,
+/// not after this guard's own bound.
+#[test]
+fn a_redis_grant_whose_answer_was_lost_still_knows_the_release_before_it() {
+    let redis = common::redis::Redis::start();
+    let proxy = common::proxy::Proxy::start(redis.port);
+    let mut lab = Lab::with_default_takeover();
+    let direct = redis.url();
+    let args = fast_with(REDIS_LEASE);
+    let with_url = |url: &str| {
+        let mut all = vec!["--url", url, "--name", NAME, "--wait"];
+        all.extend_from_slice(&args);
+        all.into_iter().map(str::to_owned).collect::<Vec<_>>()
+    };
+    // The first holder releases cleanly: the record says so.
+    let (code, log) = lab.run(
+        &as_strs(&with_url(&direct)),
+        &["true"],
+        Duration::from_secs(20),
+    );
+    assert_eq!(code, 0, "{log}");
+
+    // Every chunk waits 300ms each way: a round trip (600ms) outlasts --check-timeout (500ms).
+    proxy.set_delay(Duration::from_millis(300), Duration::ZERO);
+    let through_proxy = direct.replace(&format!(":{}", redis.port), &format!(":{}", proxy.port));
+    let started = lab.path("started");
+    let app = format!(
+        "trap 'exit 0' TERM; touch '{}'; sleep 1000 & wait",
+        started.display()
+    );
+    let mut guard = lab.spawn(&as_strs(&with_url(&through_proxy)), &["sh", "-c", &app]);
+    let key = format!("sentinel-guard:{{{NAME}}}");
+    assert!(
+        wait_until(Duration::from_secs(20), || redis.cli(&["EXISTS", &key])
+            == "1"),
+        "the grant never reached the server: {}",
+        guard.log_text()
+    );
+    proxy.set_delay(Duration::ZERO, Duration::ZERO);
+    assert!(
+        wait_until(Duration::from_secs(10), || started.exists()),
+        "{}",
+        guard.log_text()
+    );
+    // The guard's log is written off the path to the app's start: the line may follow the app.
+    assert!(
+        wait_until(Duration::from_secs(5), || guard
+            .log_text()
+            .contains("event=\"takeover_delay_skipped\" reason=released")),
+        "{}",
+        guard.log_text()
+    );
+    let log = guard.log_text();
+    assert!(!log.contains("event=\"takeover_delayed\""), "{log}");
+    guard.signal(15);
+    assert_eq!(guard.code(Duration::from_secs(20)), 0);
 }

@@ -26,10 +26,12 @@ use tracing::{debug, info, warn};
 
 use self::http::{base64, int, text, CallError, Client};
 use super::farewell::{Server, SessionFarewell};
-use super::watched::{WatchedLock, WatcherEnds};
+use super::renewing::{self, Renewable, Renewed};
+use super::watched::WatchedLock;
 use super::{
-    Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, Held, HeldLock, HolderInfo,
-    LockError, LockLoss, LockRequest, LossReason, Observer, WindowStore,
+    acquire_lease, Acquisition, ClaimAnswer, ClaimRequest, Grant, Held, HeldLock, HolderInfo,
+    LeaseAnswer, LeaseFailure, LeaseTry, LockError, LockLoss, LockRequest, LossReason, Observer,
+    Patience, WindowStore,
 };
 use crate::config::{EtcdTarget, LockName, Target, Timings};
 use crate::deadline::{self, Deadline};
@@ -39,12 +41,12 @@ use crate::record::{Previous, RecordFacts, RecordState};
 use crate::vocab::CheckOutcome;
 use crate::window::RunExit;
 
+mod renewal;
+pub use renewal::end_session;
+use renewal::Renewal;
+
 /// The longest a standby sleeps between attempts when its watch did not report the key's deletion.
 const MAX_POLL: Duration = Duration::from_secs(2);
-/// Before the first answer, a failed attempt is tried again after this pause until connect-timeout.
-const ACQUIRE_RETRY_PAUSE: Duration = Duration::from_millis(100);
-/// A renewal that failed is tried again after at most this.
-const MAX_RETRY_INTERVAL: Duration = Duration::from_millis(250);
 
 /// The keys of one lock.
 #[derive(Clone)]
@@ -127,20 +129,6 @@ async fn keep_alive(client: &mut Client, id: i64, limit: Duration) -> Result<i64
     Ok(int(&answer["TTL"]))
 }
 
-enum Attempt {
-    Won {
-        lease: i64,
-        sent: Deadline,
-        fence: i64,
-        previous: Previous,
-    },
-    Held {
-        holder: HolderInfo,
-        /// The revision the key was found held at: the watch for its deletion starts after it.
-        revision: i64,
-    },
-}
-
 /// A lease the acquisition has drawn, and the send time of the request that last granted or renewed it.
 struct Drawn {
     id: i64,
@@ -151,108 +139,126 @@ pub async fn acquire(
     target: &EtcdTarget,
     request: &LockRequest<'_>,
 ) -> Result<Acquisition, LockError> {
-    let timings = *request.timings;
-    let patience = request.patience;
-    let keys = Keys::of(target, request.name);
-    let mut client = Client::new(target).map_err(|e| lock_error(target, e))?;
+    let client = Client::new(target).map_err(|e| lock_error(target, e))?;
     if target.credentials.is_some() && !target.tls {
         warn!(
             event = "credentials_in_clear",
             "the etcd password and token travel unencrypted over etcd://; use etcds://"
         );
     }
-    let mut drawn = None;
-    let fail_closed_at = Instant::now() + timings.connect_timeout;
-    let mut answered = false;
-    let (mut contention, mut backoff) = (Contention::new(&**request.observer), Backoff::new());
-    loop {
-        let error = match attempt(&mut client, &mut drawn, &keys, request).await {
-            Ok(Attempt::Won {
-                lease,
-                sent,
-                fence,
-                previous,
-            }) => {
-                info!(
-                    event = "lock_acquired",
-                    fencing_token = fence,
-                    key = %keys.lock,
-                    lease = lease,
-                    member = %client.member(),
-                    ttl = %crate::vocab::show_duration(timings.ttl),
-                    previous = %previous.reason(),
-                    "etcd lease acquired"
-                );
-                let farewell = SessionFarewell {
-                    server: Server::Etcd,
-                    url: target.secret.clone(),
-                    session_id: lease as u64,
-                    revision: fence as u64,
-                    name: request.name.as_str().to_owned(),
-                    holder_id: request.holder.id.clone(),
-                    timeout: timings.connect_timeout + timings.check_timeout,
-                    ca_file: target.ca.as_ref().map(|ca| ca.path.clone()),
-                };
-                let renewal = Renewal {
-                    target: target.clone(),
-                    client,
-                    keys,
-                    lease,
-                    fence,
-                    holder_id: request.holder.id.clone(),
-                    timings,
-                    valid_until: sent + timings.lease_validity(),
-                    observer: Arc::clone(request.observer),
-                };
-                return Ok(Acquisition::Acquired(HeldLock::new(EtcdLock {
-                    fence,
-                    previous,
-                    farewell: farewell.encode(),
-                    watched: WatchedLock::spawn(renewal.valid_until, |ends| {
-                        renewal.run(sent, ends)
-                    }),
-                })));
+    let attempts = EtcdTry {
+        target,
+        request,
+        keys: Keys::of(target, request.name),
+        client,
+        drawn: None,
+    };
+    acquire_lease(attempts, request).await
+}
+
+/// Taking an etcd lease: a lease drawn, then a transaction that puts the key on it if the key is
+/// free.
+struct EtcdTry<'a> {
+    target: &'a EtcdTarget,
+    request: &'a LockRequest<'a>,
+    keys: Keys,
+    client: Client,
+    /// The lease drawn for the key, kept between attempts while it lives.
+    drawn: Option<Drawn>,
+}
+
+impl LeaseTry for EtcdTry<'_> {
+    /// The lease's id.
+    type Lease = i64;
+    /// The revision the key was found held at: the watch for its deletion starts after it.
+    type Found = i64;
+
+    async fn attempt(&mut self) -> Result<LeaseAnswer<i64, i64>, LeaseFailure> {
+        match attempt(&mut self.client, &mut self.drawn, &self.keys, self.request).await {
+            Ok(answer) => Ok(answer),
+            Err(error) => {
+                let error = lock_error(self.target, error);
+                Err(LeaseFailure {
+                    permanent: matches!(error, LockError::Refused(_)),
+                    // Whatever failed, an attempt may have drawn a lease or put the key; asked
+                    // again, a key found on the instance's own lease is its own.
+                    sent_nothing: false,
+                    error,
+                })
             }
-            Ok(Attempt::Held { holder, revision }) => {
-                if patience.exhausted() {
-                    if let Some(drawn) = drawn {
-                        revoke(&mut client, drawn.id, timings.check_timeout).await;
-                    }
-                    return Ok(contention.give_up(holder));
-                }
-                answered = true;
-                backoff.reset();
-                if contention.log_due() {
-                    contention.waiting(&holder);
-                }
-                wait_for_deletion(
-                    &mut client,
-                    &keys,
-                    revision,
-                    patience.cap(MAX_POLL),
-                    &timings,
-                )
-                .await;
-                continue;
-            }
-            Err(error) => lock_error(target, error),
-        };
-        if matches!(error, LockError::Refused(_)) {
-            return Err(error);
         }
-        if answered {
-            if patience.exhausted() {
-                return Err(error);
-            }
-            backoff.pause(&error, patience).await;
-        } else {
-            // Before the first answer the guard fails closed; an attempt whose answer was lost is
-            // safe to make again (a key found held by our own lease is ours).
-            if Instant::now() + ACQUIRE_RETRY_PAUSE >= fail_closed_at {
-                return Err(error);
-            }
-            debug!(error = %error, "etcd acquisition attempt failed; retrying");
-            tokio::time::sleep(ACQUIRE_RETRY_PAUSE).await;
+    }
+
+    fn hold(self, grant: Grant<i64>) -> HeldLock {
+        let (target, request, timings) = (self.target, self.request, *self.request.timings);
+        let Grant {
+            lease,
+            sent,
+            fence,
+            previous,
+        } = grant;
+        info!(
+            event = "lock_acquired",
+            fencing_token = fence,
+            key = %self.keys.lock,
+            lease = lease,
+            member = %self.client.member(),
+            ttl = %crate::vocab::show_duration(timings.ttl),
+            previous = %previous.reason(),
+            "etcd lease acquired"
+        );
+        let farewell = SessionFarewell {
+            server: Server::Etcd,
+            url: target.secret.clone(),
+            session_id: lease as u64,
+            revision: fence as u64,
+            name: request.name.as_str().to_owned(),
+            holder_id: request.holder.id.clone(),
+            timeout: timings.connect_timeout + timings.check_timeout,
+            ca_file: target.ca.as_ref().map(|ca| ca.path.clone()),
+        };
+        let renewal = Renewal {
+            target: target.clone(),
+            client: self.client,
+            keys: self.keys,
+            lease,
+            fence,
+            holder_id: request.holder.id.clone(),
+            timings,
+            observer: Arc::clone(request.observer),
+        };
+        let valid_until = sent + timings.lease_validity();
+        HeldLock::new(EtcdLock {
+            fence,
+            previous,
+            farewell: farewell.encode(),
+            watched: WatchedLock::spawn(valid_until, |ends| {
+                renewing::keep(renewal, sent, valid_until, ends)
+            }),
+        })
+    }
+
+    async fn wait_for_release(&mut self, revision: i64, patience: Patience) {
+        let timings = self.request.timings;
+        wait_for_deletion(
+            &mut self.client,
+            &self.keys,
+            revision,
+            patience.cap(MAX_POLL),
+            timings,
+        )
+        .await;
+    }
+
+    /// The lease drawn for the key is revoked: nothing else would end it before its ttl.
+    async fn abandon(&mut self) {
+        if let Some(drawn) = self.drawn.take() {
+            revoke(
+                &mut self.client,
+                drawn.id,
+                self.request.timings.check_timeout,
+            )
+            .await;
         }
     }
 }
@@ -308,7 +314,7 @@ async fn attempt(
     drawn: &mut Option<Drawn>,
     keys: &Keys,
     request: &LockRequest<'_>,
-) -> Result<Attempt, CallError> {
+) -> Result<LeaseAnswer<i64, i64>, CallError> {
     let timings = request.timings;
     let limit = timings.connect_timeout.max(timings.check_timeout);
     let (lease, sent) = fresh_lease(client, drawn, timings, limit).await?;
@@ -359,16 +365,16 @@ async fn attempt(
                 "the lease expired as the key was put; trying again".to_owned(),
             ));
         }
-        return Ok(Attempt::Won {
+        return Ok(LeaseAnswer::Granted(Grant {
             lease,
             sent,
             fence: revision,
             previous,
-        });
+        }));
     }
     // Our own put, whose answer was lost: the record it found is gone with that answer.
     if int(&first["lease"]) == lease {
-        return Ok(Attempt::Won {
+        return Ok(LeaseAnswer::Granted(Grant {
             lease,
             sent,
             fence: int(&first["create_revision"]),
@@ -376,12 +382,9 @@ async fn attempt(
                 bound: bound(timings),
                 why: "no_record",
             },
-        });
+        }));
     }
-    Ok(Attempt::Held {
-        holder: holder_of(first),
-        revision,
-    })
+    Ok(LeaseAnswer::Held(holder_of(first), revision))
 }
 
 fn holder_of(kv: &Value) -> HolderInfo {
@@ -554,210 +557,4 @@ impl WindowStore for EtcdLock {
     ) -> Result<(), LockError> {
         Err(LockError::Refused(NO_CLOCK.to_owned()))
     }
-}
-
-/// The renewal task of a held lease.
-struct Renewal {
-    target: EtcdTarget,
-    client: Client,
-    keys: Keys,
-    lease: i64,
-    fence: i64,
-    holder_id: String,
-    timings: Timings,
-    /// Send time of the last acknowledged keep-alive + ttl - drift margin.
-    valid_until: Deadline,
-    observer: Arc<dyn Observer>,
-}
-
-enum Renewed {
-    Confirmed { sent: Deadline },
-    NotOwner(&'static str),
-    Failed(String),
-}
-
-enum Step {
-    Renewed(Renewed),
-    MustStop,
-    Release,
-}
-
-impl Renewal {
-    async fn run(mut self, acquired_at: Deadline, mut ends: WatcherEnds) -> Result<(), LockError> {
-        let retry = self.timings.renew_interval.min(MAX_RETRY_INTERVAL);
-        let mut next_attempt = acquired_at + self.timings.renew_interval;
-        loop {
-            // The app needs grace-period to stop before the lease can run out.
-            let stop_at = self.valid_until.minus(self.timings.grace_period);
-            let step = tokio::select! {
-                biased;
-                _ = deadline::sleep_until(stop_at) => Step::MustStop,
-                _ = &mut ends.release => Step::Release,
-                renewed = self.renew_at(next_attempt) => Step::Renewed(renewed),
-            };
-            match step {
-                Step::Renewed(Renewed::Confirmed { sent }) => {
-                    self.valid_until = sent + self.timings.lease_validity();
-                    ends.app_dead_by(self.valid_until);
-                    next_attempt = sent + self.timings.renew_interval;
-                    debug!("etcd lease renewed");
-                }
-                Step::Renewed(Renewed::NotOwner(detail)) => {
-                    ends.report(LockLoss {
-                        reason: LossReason::NotOwner,
-                        detail: format!("{}: {detail}", self.keys.lock),
-                    });
-                    return Ok(());
-                }
-                Step::Renewed(Renewed::Failed(error)) => {
-                    let left = self.valid_until.remaining();
-                    warn!(event = "renewal_failed", error = %error, member = %self.client.member(), lease_left = %crate::vocab::show_duration(round(left)), "etcd lease renewal failed; retrying");
-                    next_attempt = Deadline::after(retry);
-                }
-                Step::MustStop => {
-                    ends.report(LockLoss {
-                        reason: LossReason::LeaseExpiring,
-                        detail: format!(
-                            "no keep-alive acknowledged in time; the lease may run out in {}",
-                            crate::vocab::show_duration(round(self.valid_until.remaining()))
-                        ),
-                    });
-                    return Ok(());
-                }
-                Step::Release => return self.release().await,
-            }
-        }
-    }
-
-    /// A keep-alive, then the proof that the key still holds this lease from this acquisition.
-    async fn renew_at(&mut self, at: Deadline) -> Renewed {
-        deadline::sleep_until(at).await;
-        let sent = Deadline::now();
-        let limit = self.timings.check_timeout;
-        let txn = json!({ "compare": compare_ours(&self.keys, self.lease, self.fence) });
-        let client = &mut self.client;
-        let lease = self.lease;
-        let result = timeout(limit, async {
-            if keep_alive(client, lease, limit).await? <= 0 {
-                return Ok(Some("the lease expired or was revoked"));
-            }
-            let answer = client.call("/v3/kv/txn", &txn, limit).await?;
-            Ok::<_, CallError>(
-                (answer["succeeded"].as_bool() != Some(true))
-                    .then_some("the key is gone or holds another lease"),
-            )
-        })
-        .await
-        .unwrap_or_else(|_| {
-            // Cut off mid-request: the connection's state is unknown, and is never reused.
-            self.client.disconnect();
-            Err(CallError::Silent(limit))
-        });
-        let took = sent.elapsed();
-        let outcome = match &result {
-            Ok(None) => CheckOutcome::Ok,
-            Ok(Some(_)) | Err(CallError::Refused(_) | CallError::Failed(_)) => CheckOutcome::Error,
-            Err(CallError::Silent(_) | CallError::Unreachable(_)) => CheckOutcome::Timeout,
-        };
-        self.observer.check(outcome, took);
-        match result {
-            // An acknowledgement read after check-timeout proves nothing about now: the guard may
-            // have been frozen while the lease ran out and another instance took it.
-            Ok(None) if took > limit => Renewed::Failed(format!(
-                "the keep-alive was acknowledged after {}, beyond --check-timeout",
-                crate::vocab::show_duration(round(took))
-            )),
-            Ok(None) => Renewed::Confirmed { sent },
-            Ok(Some(detail)) => Renewed::NotOwner(detail),
-            Err(e) => Renewed::Failed(self.target.url.scrub(e)),
-        }
-    }
-
-    async fn release(mut self) -> Result<(), LockError> {
-        let limit = self.timings.check_timeout;
-        match end_lease(
-            &mut self.client,
-            &self.keys,
-            self.lease,
-            self.fence,
-            RecordState::Released,
-            &self.holder_id,
-            limit,
-        )
-        .await
-        {
-            Ok(true) => {
-                info!(event = "lock_released", key = %self.keys.lock, "etcd lease released")
-            }
-            Ok(false) => {
-                warn!(event = "release_failed", key = %self.keys.lock, "etcd lease was no longer ours at release")
-            }
-            Err(e) => {
-                warn!(event = "release_failed", error = %self.target.url.scrub(e), "etcd lease release failed; it expires within ttl")
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Deletes the key and writes the record in `state`, only if the key still holds `lease` and was
-/// created at `fence`; then revokes the lease. Whether the key was ours.
-async fn end_lease(
-    client: &mut Client,
-    keys: &Keys,
-    lease: i64,
-    fence: i64,
-    state: RecordState,
-    holder_id: &str,
-    limit: Duration,
-) -> Result<bool, CallError> {
-    let record = record_value(state, fence, Duration::ZERO, holder_id);
-    let txn = json!({
-        "compare": compare_ours(keys, lease, fence),
-        "success": [
-            { "request_delete_range": { "key": base64(&keys.lock) } },
-            { "request_put": { "key": base64(&keys.record), "value": base64(&record) } },
-        ],
-    });
-    let ended = client.call("/v3/kv/txn", &txn, limit).await?;
-    let ours = ended["succeeded"].as_bool() == Some(true);
-    revoke(client, lease, limit).await;
-    Ok(ours)
-}
-
-/// The watchdog's farewell for a guard that died holding the lease: once the app's tree is gone, the
-/// record says so and the lease is revoked, if the key still holds it.
-pub fn end_session(farewell: &SessionFarewell) -> Result<String, String> {
-    let target = match farewell.target()? {
-        Target::Etcd(target) => target,
-        _ => return Err("not an etcd:// URL".to_owned()),
-    };
-    let name = LockName::parse(&farewell.name).map_err(|e| e.to_string())?;
-    let keys = Keys::of(&target, &name);
-    let lease = farewell.session_id as i64;
-    let fence = farewell.revision as i64;
-    farewell.on_runtime(async {
-        let mut client = Client::new(&target).map_err(|e| target.url.scrub(e))?;
-        let ours = end_lease(
-            &mut client,
-            &keys,
-            lease,
-            fence,
-            RecordState::TreeGone,
-            &farewell.holder_id,
-            farewell.timeout,
-        )
-        .await
-        .map_err(|e| target.url.scrub(e))?;
-        Ok(if ours {
-            format!("revoked lease {lease:x}")
-        } else {
-            format!("lease {lease:x} no longer held the lock; revoked it")
-        })
-    })
-}
-
-/// Durations in logs, to the millisecond.
-fn round(d: Duration) -> Duration {
-    Duration::from_millis(d.as_millis().try_into().unwrap_or(u64::MAX))
 }

@@ -3,7 +3,7 @@
 //! lock is lost, and learns whether and when the guard gave it back.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use tokio::sync::{mpsc, watch};
@@ -18,17 +18,37 @@ use crate::window::RunExit;
 
 /// The test's end of a fake lock.
 pub struct Control {
-    lose: mpsc::UnboundedSender<LockLoss>,
+    watcher: mpsc::UnboundedSender<Said>,
     given_back: Arc<AtomicBool>,
+    at_release: AtRelease,
+}
+
+/// What the test runs as the lock is given back, before it is.
+type AtRelease = Arc<Mutex<Option<Box<dyn FnOnce() + Send>>>>;
+
+/// What the test makes the fake's watcher say.
+enum Said {
+    Lost(LockLoss),
+    AppDeadline(Deadline),
 }
 
 impl Control {
     /// The backend takes the lock away, as a `KILL` of its session would.
     pub fn take_away(&self) {
-        let _ = self.lose.send(LockLoss {
+        let _ = self.watcher.send(Said::Lost(LockLoss {
             reason: LossReason::NotOwner,
             detail: "taken away by the test".to_owned(),
-        });
+        }));
+    }
+
+    /// The watcher moves the app's deadline to `at`, as a proof of ownership (or its absence) would.
+    pub fn move_app_deadline(&self, at: Deadline) {
+        let _ = self.watcher.send(Said::AppDeadline(at));
+    }
+
+    /// Runs `check` as the guard gives the lock back, before it is given back.
+    pub fn on_release(&self, check: impl FnOnce() + Send + 'static) {
+        *self.at_release.lock().unwrap() = Some(Box::new(check));
     }
 
     /// Whether the guard gave the lock back.
@@ -45,24 +65,50 @@ struct FakeLock {
 }
 
 /// A lock just acquired, whose record says `previous` of the holder before; its app must be dead by
-/// `dead_by` unless the watcher moves that on.
-pub fn acquired(previous: Previous, dead_by: Deadline) -> (HeldLock, Control) {
-    let (lose, mut losses) = mpsc::unbounded_channel();
+/// `app_deadline` unless the watcher moves that on.
+pub fn acquired(previous: Previous, app_deadline: Deadline) -> (HeldLock, Control) {
+    let (watcher, mut said) = mpsc::unbounded_channel();
     let given_back = Arc::new(AtomicBool::new(false));
     let gave = given_back.clone();
-    let watched = WatchedLock::spawn(dead_by, |mut ends| async move {
-        tokio::select! {
-            Some(loss) = losses.recv() => {
-                ends.report(loss);
-                // A lost lock is not ours to give back; the guard may still ask.
-                let _ = (&mut ends.release).await;
-            }
-            _ = &mut ends.release => gave.store(true, Ordering::SeqCst),
+    let at_release: AtRelease = Arc::default();
+    let before_release = Arc::clone(&at_release);
+    let give_back = move || {
+        if let Some(check) = before_release.lock().unwrap().take() {
+            check();
         }
-        Ok(())
+        gave.store(true, Ordering::SeqCst);
+    };
+    let watched = WatchedLock::spawn(app_deadline, |mut ends| async move {
+        loop {
+            tokio::select! {
+                Some(what) = said.recv() => match what {
+                    Said::AppDeadline(at) => ends.move_app_deadline(at),
+                    Said::Lost(loss) => {
+                        ends.report(loss);
+                        // A lost lock is not ours to give back: a guard that asks is seen to (a
+                        // lock dropped unasked ends the wait with an error).
+                        if (&mut ends.release).await.is_ok() {
+                            give_back();
+                        }
+                        return Ok(());
+                    }
+                },
+                _ = &mut ends.release => {
+                    give_back();
+                    return Ok(());
+                }
+            }
+        }
     });
     let lock = HeldLock::new(FakeLock { watched, previous });
-    (lock, Control { lose, given_back })
+    (
+        lock,
+        Control {
+            watcher,
+            given_back,
+            at_release,
+        },
+    )
 }
 
 #[async_trait]

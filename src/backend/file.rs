@@ -31,6 +31,12 @@ use crate::record::{set_back_error, Fence, Previous, RecordFacts, RecordState};
 use crate::vocab::CheckOutcome;
 use crate::window::{self, Claim, RunEnd, RunExit};
 
+mod record;
+pub use record::{last_claim, last_record};
+use record::{
+    now_us, previous_holder, read_records, write_record, FileIdentity, LockLine, Place, Record,
+};
+
 /// The first line of every lock file this program writes. A lock file that is neither empty nor
 /// starts with it is someone else's file, named by mistake: it is refused and never written to.
 const MAGIC: &str = "# sentinel-guard lock file";
@@ -465,196 +471,6 @@ fn describe_holder(file: &mut File, locked_by: Option<u32>) -> HolderInfo {
     info.with("lock", "the file's path, whatever --name")
 }
 
-/// Overwrites the record in place, magic line first, then cuts what an older, longer record left:
-/// the file never stops starting with the magic line, so a contender never mistakes it for a foreign
-/// file. The record is the holder while held, and the last claimed window of scheduled runs, which
-/// outlives every holder. Only called with the lock held, on a file `open` found to be ours.
-fn write_record(
-    file: &mut File,
-    holder: Option<&Holder>,
-    claim: Option<&Claim>,
-    lock: Option<&LockLine>,
-) -> std::io::Result<()> {
-    let mut record = format!("{MAGIC}\n");
-    if let Some(holder) = holder {
-        record.push_str(&format!("{holder}\n"));
-    }
-    if let Some(claim) = claim {
-        record.push_str(&format!("{}\n", claim.encode()));
-    }
-    if let Some(lock) = lock {
-        record.push_str(&format!("{}\n", lock.encode()));
-    }
-    file.seek(SeekFrom::Start(0))?;
-    file.write_all(record.as_bytes())?;
-    file.set_len(record.len() as u64)?;
-    file.flush()
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct FileIdentity {
-    dev: u64,
-    ino: u64,
-}
-
-impl FileIdentity {
-    fn of(meta: &std::fs::Metadata) -> FileIdentity {
-        FileIdentity {
-            dev: meta.dev(),
-            ino: meta.ino(),
-        }
-    }
-
-    fn at(path: &Path) -> Option<FileIdentity> {
-        std::fs::metadata(path).ok().map(|m| FileIdentity::of(&m))
-    }
-}
-
-/// The claim line and the lock line of the record, where there are.
-fn read_records(file: &mut File) -> (Option<Claim>, Option<LockLine>) {
-    let mut text = String::new();
-    if file.seek(SeekFrom::Start(0)).is_err() || file.read_to_string(&mut text).is_err() {
-        return (None, None);
-    }
-    (
-        text.lines().find_map(Claim::parse),
-        text.lines().find_map(LockLine::parse),
-    )
-}
-
-/// The last claimed window recorded in the lock file, read without taking the lock.
-pub fn last_claim(path: &Path) -> Option<Claim> {
-    read_records(&mut open_to_read(path).ok()??).0
-}
-
-/// The lock file's record, read without taking the lock.
-pub fn last_record(path: &Path) -> Option<RecordFacts> {
-    let line = read_records(&mut open_to_read(path).ok()??).1?;
-    Some(RecordFacts {
-        state: line.state,
-        token: line.fence.token,
-    })
-}
-
-/// The lock file's lock record: its state, the fencing token of the acquisition that wrote it, the
-/// file it was written in, and that holder's "app dead by" bound.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct LockLine {
-    state: RecordState,
-    fence: Fence,
-    place: Place,
-    bound: std::time::Duration,
-}
-
-/// The file a lock line was written in: its inode, and the path it was locked at. A lock file
-/// renamed or linked over this path from another lock keeps its inode, not its path.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Place {
-    identity: FileIdentity,
-    /// The absolute path, each byte escaped as Rust escapes ASCII (`\n`, `\xNN`), so the line
-    /// stays one line; compared in this form, never decoded.
-    path: String,
-}
-
-impl Place {
-    fn of(path: &Path, identity: FileIdentity) -> Place {
-        use std::os::unix::ffi::OsStrExt;
-        let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_owned());
-        Place {
-            identity,
-            path: absolute
-                .as_os_str()
-                .as_bytes()
-                .iter()
-                .flat_map(|b| std::ascii::escape_default(*b))
-                .map(char::from)
-                .collect(),
-        }
-    }
-}
-
-/// This host's clock in microseconds since the epoch: every guard of a file lock reads it.
-fn now_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| since.as_micros() as u64)
-}
-
-impl LockLine {
-    /// The path last: it may hold spaces.
-    fn encode(&self) -> String {
-        format!(
-            "lock_state={} fence={} drawn_us={} dev={} ino={} bound_ms={} path={}",
-            self.state.as_str(),
-            self.fence.token,
-            self.fence.drawn_us,
-            self.place.identity.dev,
-            self.place.identity.ino,
-            self.bound.as_millis(),
-            self.place.path,
-        )
-    }
-
-    fn parse(line: &str) -> Option<LockLine> {
-        let (fields, path) = line.split_once(" path=")?;
-        let field = |key: &str| {
-            fields
-                .split(' ')
-                .find_map(|pair| pair.strip_prefix(key)?.strip_prefix('='))
-        };
-        let number = |key: &str| field(key)?.parse::<u64>().ok();
-        Some(LockLine {
-            state: RecordState::parse(field("lock_state")?)?,
-            fence: Fence {
-                token: number("fence")?,
-                drawn_us: number("drawn_us")?,
-            },
-            place: Place {
-                identity: FileIdentity {
-                    dev: number("dev")?,
-                    ino: number("ino")?,
-                },
-                path: path.to_owned(),
-            },
-            bound: std::time::Duration::from_millis(number("bound_ms")?),
-        })
-    }
-}
-
-/// What the lock line found in a freshly locked file says of the previous holder. A `flock` is freed
-/// only by its holder's unlock (after its release wrote `released`) or when every descriptor of it
-/// is closed: the guard's, and the watchdog's copy, which it closes only once the app's tree is
-/// gone. So a `held` line written in this very file, at this path, means the tree is gone, where
-/// the lock is the kernel's (`kernel_lock`): a network file system's server may drop a client's
-/// lock (a lease that ran out, an evicted client) while its descriptors stay open. In another file
-/// or at another path (the path was deleted or replaced, a lock file renamed or linked over it, a
-/// record copied) it proves nothing: the lock was taken away. `Err` with the token of a line whose
-/// counter was set back (`Fence::set_back`).
-fn previous_holder(
-    found: Option<&LockLine>,
-    place: &Place,
-    kernel_lock: bool,
-    own_bound: std::time::Duration,
-) -> Result<Previous, Fence> {
-    Ok(match found {
-        None => Previous::MayRun {
-            bound: own_bound,
-            why: "no_record",
-        },
-        Some(line) if line.fence.set_back() => return Err(line.fence),
-        Some(line) if line.place != *place => Previous::MayRun {
-            bound: line.bound.max(own_bound),
-            why: "taken_away",
-        },
-        Some(line) if line.state == RecordState::Held && !kernel_lock => Previous::MayRun {
-            bound: line.bound.max(own_bound),
-            why: "shared_filesystem",
-        },
-        Some(line) if line.state == RecordState::Held => Previous::Gone("tree_gone"),
-        Some(line) => Previous::from_record(line.state, line.bound),
-    })
-}
-
 /// Whether the file's locks are kept by this kernel alone: not on a network or user-space file
 /// system, whose server or daemon may drop a lock on its own. One that cannot be told is not.
 fn local_filesystem(file: &File) -> bool {
@@ -680,15 +496,6 @@ fn local_filesystem(file: &File) -> bool {
         Ok(found) => !SHARED.contains(&((found.filesystem_type().0 as u32) as i64)),
         Err(_) => false,
     }
-}
-
-/// What the held lock's file says: the holder, the last claimed window (kept across holders), and
-/// the lock line this acquisition wrote.
-struct Record {
-    holder: Holder,
-    claim: Option<Claim>,
-    lock: LockLine,
-    previous: Previous,
 }
 
 pub struct FileLock {

@@ -3,6 +3,7 @@
 //! Each backend proves ownership its own way (a MySQL connection that holds `GET_LOCK`, a `flock`ed
 //! file), but callers only see `Acquisition`, `HeldLock::lost` and `HeldLock::release`.
 
+mod acquire;
 mod etcd;
 #[cfg(test)]
 pub mod fake;
@@ -12,11 +13,12 @@ mod mysql;
 mod postgres;
 mod record_table;
 mod redis;
+mod renewing;
 mod session_socket;
 mod watched;
+mod window_table;
 
 use std::fmt;
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,7 +26,6 @@ use async_trait::async_trait;
 use thiserror::Error;
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tracing::{info, warn};
 
 use crate::config::{LockName, Target, Timings};
 use crate::deadline::Deadline;
@@ -34,6 +35,12 @@ use crate::holder::Holder;
 use crate::record::{Previous, RecordFacts};
 use crate::vocab::{CheckOutcome, LossReason, ENV_FENCING_TOKEN};
 use crate::window::{Claim, RunExit, Schedule, UnixMicros, Window, WindowOutcome};
+
+pub use acquire::Backoff;
+use acquire::{
+    acquire_lease, acquire_session, Contention, Grant, LeaseAnswer, LeaseFailure, LeaseTry,
+    SessionTry,
+};
 
 /// Why the lock could not be taken or used. Every variant means "the app must not run": exit 69,
 /// but `NotALockFile`, a mistake in the invocation: exit 2.
@@ -171,121 +178,6 @@ pub trait Observer: Send + Sync {
     fn waiting(&self, holder: &HolderInfo);
 }
 
-/// A lock found held by another instance: reported once per acquisition (at first sight, so a
-/// waiting standby shows up while it waits), and logged with its holder when the wait starts, then
-/// at most once a minute.
-pub struct Contention<'a> {
-    observer: &'a dyn Observer,
-    last_log: Option<Instant>,
-    counted: bool,
-}
-
-const WAIT_LOG_EVERY: Duration = Duration::from_secs(60);
-
-impl Contention<'_> {
-    pub fn new(observer: &dyn Observer) -> Contention<'_> {
-        Contention {
-            observer,
-            last_log: None,
-            counted: false,
-        }
-    }
-
-    /// Whether the "still waiting" line is due; true until the lock was first found held.
-    pub fn log_due(&self) -> bool {
-        self.last_log
-            .is_none_or(|at| at.elapsed() >= WAIT_LOG_EVERY)
-    }
-
-    /// How long the next server-side wait for the lock (MySQL `GET_LOCK`, PostgreSQL
-    /// `pg_advisory_lock`) may last: none while the "still waiting" line is due, so a standby names
-    /// the holder at once; else a chunk of at most `MAX_LOCK_WAIT_CHUNK`, so patience and the session's health are
-    /// re-checked regularly. The server grants a waiter the lock the moment it is free.
-    pub fn next_wait(&self, patience: Patience) -> Duration {
-        if self.log_due() {
-            Duration::ZERO
-        } else {
-            patience.cap(crate::config::MAX_LOCK_WAIT_CHUNK)
-        }
-    }
-
-    pub fn waiting(&mut self, holder: &HolderInfo) {
-        self.count();
-        self.last_log = Some(Instant::now());
-        info!(event = "lock_waiting", holder = %holder, "lock is held by another instance; waiting");
-        self.observer.waiting(holder);
-    }
-
-    /// Patience has run out with the lock still held elsewhere.
-    pub fn give_up(mut self, holder: HolderInfo) -> Acquisition {
-        self.count();
-        Acquisition::HeldElsewhere(holder)
-    }
-
-    fn count(&mut self) {
-        if !self.counted {
-            self.counted = true;
-            self.observer.held_elsewhere();
-        }
-    }
-}
-
-/// Retry pacing for a standby whose own backend connection failed: never a busy loop.
-pub struct Backoff {
-    next: Duration,
-}
-
-impl Backoff {
-    const FIRST: Duration = Duration::from_millis(250);
-    const MAX: Duration = Duration::from_secs(30);
-
-    pub fn new() -> Backoff {
-        Backoff {
-            next: Backoff::FIRST,
-        }
-    }
-
-    pub fn reset(&mut self) {
-        self.next = Backoff::FIRST;
-    }
-
-    /// Logs the failure and sleeps for the current step, within what patience has left.
-    pub async fn pause(&mut self, error: &LockError, patience: Patience) {
-        let pause = patience.cap(self.next);
-        warn!(event = "backend_retry", error = %error, retry_in = %crate::vocab::show_duration(pause), "lock backend failed while waiting; retrying");
-        tokio::time::sleep(pause).await;
-        self.next = (self.next * 2).min(Backoff::MAX);
-    }
-}
-
-/// Reopens the session of a standby whose own session failed, with backoff, until patience runs out;
-/// at start (no patience) and on an unsafe server, the error is final: fail closed.
-pub async fn reopen<S, F, Fut>(
-    mut error: LockError,
-    patience: Patience,
-    backoff: &mut Backoff,
-    mut open: F,
-) -> Result<S, LockError>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<S, LockError>>,
-{
-    if patience == Patience::None || matches!(error, LockError::Unsafe(_)) {
-        return Err(error);
-    }
-    loop {
-        if patience.exhausted() {
-            return Err(error);
-        }
-        backoff.pause(&error, patience).await;
-        match open().await {
-            Ok(session) => return Ok(session),
-            Err(unsafe_server @ LockError::Unsafe(_)) => return Err(unsafe_server),
-            Err(e) => error = e,
-        }
-    }
-}
-
 /// What every backend needs to know to take the lock.
 pub struct LockRequest<'a> {
     pub name: &'a LockName,
@@ -381,8 +273,13 @@ pub enum ClaimAnswer {
     /// busy.
     Blocked(WindowOutcome, Claim),
     /// The backend's clock is no longer (or not yet) in the window, or the lock stopped being ours
-    /// before the claim (why, in words): nothing was recorded; the scheduler looks at the clock again.
+    /// before the claim (why, in words): nothing was recorded by this answer (a first send whose
+    /// answer was lost may have been: the next claim of the window takes it as its own); the
+    /// scheduler looks at the clock again.
     NotNow(&'static str),
+    /// The claim may be stored, but not durably enough to keep another replica from claiming the
+    /// window again after a failover (why, in words): the window is not run, here or by a retry.
+    Unkept(&'static str),
 }
 
 impl ClaimAnswer {
@@ -546,15 +443,41 @@ impl HeldLock {
         self.0.release_coming()
     }
 
-    /// Gives the lock back, which only the proof that nothing of the app is alive allows.
-    pub async fn release(self, _gone: TreeGone) -> Result<(), LockError> {
+    /// Gives back a lock under which no app was ever started (a stop during the takeover delay, a
+    /// command that could not be spawned). Once one is, the lock is a `ServingLock`, which only
+    /// the proof that the app's tree is gone gives back.
+    pub async fn release_unused(self) -> Result<(), LockError> {
         self.0.give_back().await
     }
 
-    /// Gives back a lock under which no app was ever started (a stop during the takeover delay, a
-    /// command that could not be spawned).
-    pub async fn release_unused(self) -> Result<(), LockError> {
-        self.0.give_back().await
+    /// The lock, now that an app runs under it.
+    pub fn serving(self) -> ServingLock {
+        ServingLock(self)
+    }
+}
+
+/// A held lock under which an app was started: everything a `HeldLock` does while the app runs,
+/// and given back only with the proof that nothing of the app is alive.
+pub struct ServingLock(HeldLock);
+
+impl ServingLock {
+    pub async fn release(self, _gone: TreeGone) -> Result<(), LockError> {
+        let ServingLock(HeldLock(lock)) = self;
+        lock.give_back().await
+    }
+}
+
+impl std::ops::Deref for ServingLock {
+    type Target = HeldLock;
+
+    fn deref(&self) -> &HeldLock {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for ServingLock {
+    fn deref_mut(&mut self) -> &mut HeldLock {
+        &mut self.0
     }
 }
 

@@ -34,17 +34,27 @@ use tracing::{debug, info, warn};
 use super::farewell::{Server, SessionFarewell};
 use super::record_table;
 use super::watched::{CheckTiming, SessionHeld, SessionLock, SessionWatcher, Verdict};
+use super::window_table::{self, Rows, SqlWindows, TableError, WindowDialect};
 use super::{
-    reopen, Acquisition, Backoff, ClaimAnswer, ClaimRequest, Contention, HeldLock, HolderInfo,
-    LockError, LockRequest, WindowStore,
+    acquire_session, Acquisition, ClaimRequest, HeldLock, HolderInfo, LockError, LockRequest,
+    SessionTry,
 };
-use crate::config::{LockName, PostgresTarget, Target, Timings};
+use crate::config::{LockName, PostgresTarget, RedactedUrl, Target, Timings};
 use crate::deadline::Deadline;
 use crate::holder::Holder;
 use crate::record::{Fence, Previous, RecordFacts, RecordState};
-use crate::window::{Claim, RunEnd, RunExit, UnixMicros};
+use crate::window::{Claim, UnixMicros};
 
 use tls::Tls;
+
+mod record;
+mod watcher;
+mod windows;
+pub use record::last_record;
+use record::take_record;
+pub use watcher::end_session;
+use watcher::watch;
+pub use windows::{last_claim, server_clock, PostgresWindows};
 
 /// How often a cancel request is repeated until the check answers.
 const INTERRUPT_RETRY: Duration = Duration::from_millis(20);
@@ -93,32 +103,37 @@ fn application_name(holder_id: &str) -> String {
     format!("sentinel-guard {holder_id}")
 }
 
-/// What a statement got: its rows as text (`None` for SQL NULL), or why none.
-type Rows = Vec<Vec<Option<String>>>;
-
 enum Failure {
     /// No answer within the limit; the statement may still be running.
     Timeout,
     Db(tokio_postgres::Error),
 }
 
-/// Runs `sql` (one or more statements, as a simple query) within `limit`.
+/// Runs `sql` (one or more statements, as a simple query) within `limit`: its rows as text
+/// (`None` for SQL NULL).
 async fn query(client: &Client, sql: &str, limit: Duration) -> Result<Rows, Failure> {
+    statement(client, sql, limit).await.map(|(rows, _)| rows)
+}
+
+/// `query`, with how many rows the last statement changed.
+async fn statement(client: &Client, sql: &str, limit: Duration) -> Result<(Rows, u64), Failure> {
     let messages = timeout(limit, client.simple_query(sql))
         .await
         .map_err(|_| Failure::Timeout)?
         .map_err(Failure::Db)?;
-    Ok(messages
-        .into_iter()
-        .filter_map(|message| match message {
-            SimpleQueryMessage::Row(row) => Some(
+    let (mut rows, mut changed) = (Vec::new(), 0);
+    for message in messages {
+        match message {
+            SimpleQueryMessage::Row(row) => rows.push(
                 (0..row.len())
                     .map(|i| row.get(i).map(str::to_owned))
                     .collect(),
             ),
-            _ => None,
-        })
-        .collect())
+            SimpleQueryMessage::CommandComplete(count) => changed = count,
+            _ => {}
+        }
+    }
+    Ok((rows, changed))
 }
 
 /// A column of a row as a number.
@@ -368,97 +383,87 @@ pub async fn acquire(
     target: &PostgresTarget,
     request: &LockRequest<'_>,
 ) -> Result<Acquisition, LockError> {
-    let timings = request.timings;
-    let patience = request.patience;
-    let key = lock_key(request.name);
-    let app_name = application_name(&request.holder.id);
-    let mut session = open_session(target, timings, &app_name).await?;
-    let mut contention = Contention::new(&**request.observer);
-    let mut backoff = Backoff::new();
-    loop {
-        let chunk = contention.next_wait(patience);
-        let sent = Deadline::now();
-        let budget = chunk + timings.check_timeout;
-        let got = query(&session.client, &try_lock_sql(key, chunk), budget).await;
-        let granted = match &got {
-            Ok(rows) => rows.first().is_some_and(|row| is_true(row, 0)),
-            Err(_) => false,
-        };
-        let error = match got {
-            // Granted, but read after a freeze: the server may have ended the silent session and
-            // granted the lock elsewhere since. Dropping the connection gives it back.
-            Ok(_) if granted && sent.elapsed() > budget => LockError::Unreachable(format!(
-                "{}: the lock was granted after {}, too late to rely on; the session is closed",
-                target.url,
-                crate::vocab::show_duration(Duration::from_millis(
-                    sent.elapsed().as_millis() as u64
-                ))
-            )),
-            Ok(rows) if granted => {
-                let proven =
-                    match same_backend(session.pid, rows.first().and_then(|row| number(row, 1))) {
-                        Ok(()) => prove(&session, target, request, key).await,
-                        Err(pooler) => Err(pooler),
-                    };
-                let recorded = match proven {
-                    Ok((now_us, ports)) => take_record(&session, target, request, now_us)
-                        .await
-                        .map(|(previous, token, recorded)| (token, ports, previous, recorded)),
-                    Err(e) => Err(e),
-                };
-                match recorded {
-                    Ok((token, ports, previous, recorded)) => {
-                        info!(
-                            event = "lock_acquired",
-                            backend_pid = session.pid,
-                            key,
-                            fencing_token = token,
-                            session_timeout_secs = timings.session_timeout_secs(),
-                            previous = %previous.reason(),
-                            "postgres lock acquired"
-                        );
-                        return Ok(Acquisition::Acquired(watch(
-                            session,
-                            target,
-                            request,
-                            (token, previous, recorded),
-                            (sent + chunk, ports),
-                        )));
-                    }
-                    Err(e) => e,
-                }
-            }
-            Ok(_) if patience.exhausted() => {
-                let holder = describe_holder(&session.client, key, timings.check_timeout).await;
-                return Ok(contention.give_up(holder));
-            }
-            Ok(_) => {
-                if contention.log_due() {
-                    contention.waiting(
-                        &describe_holder(&session.client, key, timings.check_timeout).await,
-                    );
-                }
-                backoff.reset();
-                continue;
-            }
+    let attempt = PostgresTry {
+        target,
+        request,
+        key: lock_key(request.name),
+        app_name: application_name(&request.holder.id),
+    };
+    acquire_session(&attempt, request).await
+}
+
+/// PostgreSQL's part of taking the lock: an advisory lock on a session of the guard's own.
+struct PostgresTry<'a> {
+    target: &'a PostgresTarget,
+    request: &'a LockRequest<'a>,
+    key: i64,
+    app_name: String,
+}
+
+impl SessionTry for PostgresTry<'_> {
+    type Session = Session;
+    /// The backend that answered the grant, which must be the session's own.
+    type Grant = Option<i32>;
+
+    fn url(&self) -> &RedactedUrl {
+        &self.target.url
+    }
+
+    async fn open(&self) -> Result<Session, LockError> {
+        open_session(self.target, self.request.timings, &self.app_name).await
+    }
+
+    async fn try_once(
+        &self,
+        session: &mut Session,
+        chunk: Duration,
+        budget: Duration,
+    ) -> Result<Option<Option<i32>>, LockError> {
+        match query(&session.client, &try_lock_sql(self.key, chunk), budget).await {
+            Ok(rows) => Ok(rows
+                .first()
+                .filter(|row| is_true(row, 0))
+                .map(|row| number(row, 1))),
             // The chunk's lock_timeout ran out with the lock still held elsewhere.
-            Err(Failure::Db(e)) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
-                if patience.exhausted() {
-                    let holder = describe_holder(&session.client, key, timings.check_timeout).await;
-                    return Ok(contention.give_up(holder));
-                }
-                backoff.reset();
-                continue;
-            }
-            Err(failure) => target.failed("pg_advisory_lock", failure, budget),
-        };
-        // Fail closed at start; a standby whose own session failed reconnects with backoff. Closing
-        // the failed session first gives back a lock it may have been granted.
-        drop(session);
-        session = reopen(error, patience, &mut backoff, || {
-            open_session(target, timings, &app_name)
-        })
-        .await?;
+            Err(Failure::Db(e)) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => Ok(None),
+            Err(failure) => Err(self.target.failed("pg_advisory_lock", failure, budget)),
+        }
+    }
+
+    async fn hold(
+        &self,
+        session: Session,
+        answered_by: Option<i32>,
+        granted_by: Deadline,
+    ) -> Result<HeldLock, LockError> {
+        let (target, request) = (self.target, self.request);
+        same_backend(session.pid, answered_by)?;
+        let (now_us, ports) = prove(&session, target, request, self.key).await?;
+        let (previous, token, recorded) = take_record(&session, target, request, now_us).await?;
+        info!(
+            event = "lock_acquired",
+            backend_pid = session.pid,
+            key = self.key,
+            fencing_token = token,
+            session_timeout_secs = request.timings.session_timeout_secs(),
+            previous = %previous.reason(),
+            "postgres lock acquired"
+        );
+        Ok(watch(
+            session,
+            target,
+            request,
+            (token, previous, recorded),
+            (granted_by, ports),
+        ))
+    }
+
+    async fn holder(&self, session: &mut Session) -> (HolderInfo, Result<(), LockError>) {
+        let limit = self.request.timings.check_timeout;
+        (
+            describe_holder(&session.client, self.key, limit).await,
+            Ok(()),
+        )
     }
 }
 
@@ -504,186 +509,6 @@ async fn prove(
     // finds the session's socket for the watchdog's copy.
     let server = target.config.get_ports().first().copied().unwrap_or(5432);
     Ok((token, number(row, 3).map(|client| (client, server))))
-}
-
-/// The table of lock records (see `record_table`), created on first use in the URL's database (its
-/// default schema).
-const LOCKS_TABLE: &str = "CREATE TABLE IF NOT EXISTS sentinel_guard_locks (\
-name varchar(64) PRIMARY KEY, \
-fence bigint NOT NULL, \
-drawn_us bigint NOT NULL, \
-holder varchar(64) NOT NULL, \
-state varchar(16) NOT NULL, \
-bound_ms bigint NOT NULL, \
-incarnation text NOT NULL, \
-updated_at timestamptz NOT NULL)";
-
-/// The server that writes a row: its postmaster's start, to the microsecond, as a number (text
-/// would follow the session's TimeZone and DateStyle). A promoted replica, a restarted server and a
-/// restored one all started at another time. A crash of one backend reinitialises the server
-/// without a new postmaster, and loses commits made with `synchronous_commit = off`: the record is
-/// written with `local` at least (a stronger setting is kept).
-const INCARNATION: &str = "extract(epoch FROM pg_postmaster_start_time())::text";
-
-/// Reads the lock record the previous holder left and writes this holder's, with the next fencing
-/// token (`Fence::next` of the previous one and the clock `now_us` the proof read), in one statement
-/// on the lock's own session right after the grant (before the app can start); returns the token
-/// and whether this holder's record was written. Where the table cannot be seen (no grant, no
-/// CREATE on first use), every acquisition waits its own bound, which a warning says once, with
-/// what to grant, and the token is the clock. A table that can be read but not written would leave
-/// an older holder's row to mislead the next one: that is refused.
-async fn take_record(
-    session: &Session,
-    target: &PostgresTarget,
-    request: &LockRequest<'_>,
-    now_us: u64,
-) -> Result<(Previous, u64, bool), LockError> {
-    let (name, holder) = (request.name.as_str(), &request.holder.id);
-    let timings = request.timings;
-    let own_bound = timings.worst_answer_to_deadline();
-    let limit = timings.check_timeout;
-    // The CTE's SELECT sees the row as it was before the upsert; a set-back row is left as it is.
-    let sql = format!(
-        "SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') \
-         WHEN 'off' THEN 'local' ELSE current_setting('synchronous_commit') END, false); \
-         WITH prev AS ({read}), up AS (INSERT INTO sentinel_guard_locks \
-         (name, fence, drawn_us, holder, state, bound_ms, incarnation, updated_at) \
-         SELECT '{name}', GREATEST(COALESCE((SELECT fence FROM prev) + 1, 0), {now_us}), {now_us}, \
-         '{holder}', 'held', {bound}, {INCARNATION}, now() \
-         WHERE NOT EXISTS (SELECT 1 FROM prev WHERE fence < drawn_us) \
-         ON CONFLICT (name) DO UPDATE SET fence = EXCLUDED.fence, drawn_us = EXCLUDED.drawn_us, \
-         holder = EXCLUDED.holder, state = 'held', bound_ms = EXCLUDED.bound_ms, \
-         incarnation = EXCLUDED.incarnation, updated_at = EXCLUDED.updated_at RETURNING fence) \
-         SELECT prev.*, (SELECT fence FROM up) FROM prev",
-        read = record_table::read_sql(name, INCARNATION),
-        bound = own_bound.as_millis(),
-    );
-    let mut created = false;
-    loop {
-        let failure = match query(&session.client, &sql, limit).await {
-            Ok(rows) => {
-                // The upsert's row follows set_config's.
-                let row = rows.last().map(Vec::as_slice).unwrap_or_default();
-                let found = row
-                    .first()
-                    .cloned()
-                    .flatten()
-                    .map(|state| record_table::Row {
-                        state,
-                        bound_ms: number(row, 1).unwrap_or(0),
-                        fence: Fence {
-                            token: number(row, 2).unwrap_or(0),
-                            drawn_us: number(row, 3).unwrap_or(0),
-                        },
-                        same_server: row.get(4).cloned().flatten().is_some_and(|written| {
-                            row.get(5).and_then(Option::as_deref) == Some(written.as_str())
-                        }),
-                    });
-                let previous = record_table::previous(name, found.as_ref(), own_bound)
-                    .map_err(LockError::Unsafe)?;
-                let token = number(row, 6).ok_or_else(|| {
-                    LockError::Unsafe(format!(
-                        "the lock record's upsert returned {:?}",
-                        row.get(6)
-                    ))
-                })?;
-                return Ok((previous, token, true));
-            }
-            Err(failure) => failure,
-        };
-        match failure {
-            Failure::Db(e) if e.code() == Some(&SqlState::UNDEFINED_TABLE) && !created => {
-                created = true;
-                match query(&session.client, LOCKS_TABLE, limit).await {
-                    Ok(_) => info!(
-                        event = "lock_table_created",
-                        "created table sentinel_guard_locks for lock records"
-                    ),
-                    Err(Failure::Db(e)) if e.as_db_error().is_some() => {
-                        record_unavailable(target, e);
-                        return Ok((record_table::no_record(own_bound), now_us, false));
-                    }
-                    Err(failure) => {
-                        return Err(target.failed(
-                            "CREATE TABLE sentinel_guard_locks",
-                            failure,
-                            limit,
-                        ))
-                    }
-                }
-            }
-            // Denied: if the table can still be read, an older holder's row would mislead the
-            // next holder.
-            Failure::Db(e) if e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) => {
-                let probe = format!("SELECT 1 FROM {} LIMIT 0", record_table::TABLE);
-                if query(&session.client, &probe, limit).await.is_ok() {
-                    let user = target.config.get_user().unwrap_or("<user>");
-                    return Err(LockError::Unsafe(format!(
-                        "{}: the lock records in sentinel_guard_locks can be read but not written ({}), \
-                         so an older holder's record would mislead the next holder; \
-                         GRANT INSERT, UPDATE ON sentinel_guard_locks TO {user}, or revoke SELECT",
-                        target.url,
-                        target.explain(e)
-                    )));
-                }
-                record_unavailable(target, e);
-                return Ok((record_table::no_record(own_bound), now_us, false));
-            }
-            // No table to be seen in the search path's schemas, or one of an older layout.
-            Failure::Db(e)
-                if [
-                    SqlState::UNDEFINED_TABLE,
-                    SqlState::UNDEFINED_COLUMN,
-                    SqlState::INVALID_SCHEMA_NAME,
-                ]
-                .iter()
-                .any(|code| e.code() == Some(code)) =>
-            {
-                record_unavailable(target, e);
-                return Ok((record_table::no_record(own_bound), now_us, false));
-            }
-            failure => return Err(target.failed("the lock record", failure, limit)),
-        }
-    }
-}
-
-/// Says once why no lock record can be kept, and what an administrator grants to make clean
-/// hand-overs instant again.
-fn record_unavailable(target: &PostgresTarget, e: tokio_postgres::Error) {
-    static SAID: std::sync::Once = std::sync::Once::new();
-    SAID.call_once(|| {
-        let user = target.config.get_user().unwrap_or("<user>");
-        warn!(
-            event = "lock_record_unavailable",
-            error = %target.explain(e),
-            "no lock record can be kept, so every acquisition waits the takeover bound before starting the app; \
-             run once as an administrator in the URL's database: {LOCKS_TABLE}; \
-             GRANT SELECT, INSERT, UPDATE ON sentinel_guard_locks TO {user};"
-        );
-    });
-}
-
-/// The lock's record, without taking the lock: `None` where there is none, or none can be seen.
-pub async fn last_record(
-    target: &PostgresTarget,
-    name: &LockName,
-    connect_limit: Duration,
-    answer: Duration,
-) -> Result<Option<RecordFacts>, LockError> {
-    let client = connect(target, "sentinel-guard status", connect_limit).await?;
-    match query(&client, &record_table::facts_sql(name.as_str()), answer).await {
-        Ok(rows) => Ok(rows
-            .first()
-            .and_then(|row| record_table::facts(row.first()?.as_deref()?, number(row, 1)?))),
-        Err(Failure::Db(e))
-            if [SqlState::UNDEFINED_TABLE, SqlState::INSUFFICIENT_PRIVILEGE]
-                .iter()
-                .any(|code| e.code() == Some(code)) =>
-        {
-            Ok(None)
-        }
-        Err(failure) => Err(target.failed("SELECT FROM sentinel_guard_locks", failure, answer)),
-    }
 }
 
 /// Who holds `name` now, without taking it.
@@ -736,549 +561,6 @@ async fn describe_holder(client: &Client, key: i64, limit: Duration) -> HolderIn
             }
         },
         Err(_) => HolderInfo::default().with("holder", "unknown (the lookup failed)"),
-    }
-}
-
-/// `pg_terminate_backend` of the dead guard's backend, from a new session, if that backend still
-/// holds the lock and is the dead guard's (its `application_name` names the holder id; pids are
-/// reused). Run in the watchdog.
-pub fn end_session(farewell: &SessionFarewell) -> Result<String, String> {
-    let target = match farewell.target()? {
-        Target::Postgres(target) => target,
-        _ => return Err("not a postgres:// URL".to_owned()),
-    };
-    farewell.on_runtime(async {
-        let client = connect(&target, "sentinel-guard watchdog", farewell.timeout)
-            .await
-            .map_err(|e| e.to_string())?;
-        let pid = farewell.session_id;
-        // The tree is gone (the watchdog says farewell only then): a record still held by the dead
-        // guard says so. One the next holder wrote is not the dead guard's, and is left alone.
-        let mark = record_table::mark_sql(&farewell.name, &farewell.holder_id, RecordState::TreeGone);
-        if query(&client, &mark, farewell.timeout).await.is_err() {
-            debug!("the dead guard's lock record could not be marked tree_gone");
-        }
-        let sql = format!(
-            "SELECT pg_terminate_backend(l.pid) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
-             WHERE {} AND l.pid = {pid} AND a.application_name = '{}'",
-            lock_row(lock_key(
-                &LockName::parse(&farewell.name).map_err(|e| e.to_string())?
-            )),
-            application_name(&farewell.holder_id),
-        );
-        match query(&client, &sql, farewell.timeout).await {
-            Err(Failure::Timeout) => Err(format!(
-                "no answer within {}",
-                crate::vocab::show_duration(farewell.timeout)
-            )),
-            Err(Failure::Db(e)) => Err(target.explain(e)),
-            Ok(rows) if rows.first().is_some_and(|row| is_true(row, 0)) => {
-                Ok(format!("ended backend {pid}"))
-            }
-            Ok(rows) if rows.is_empty() => Ok(format!(
-                "left backend {pid} alone: it no longer holds the dead guard's lock"
-            )),
-            Ok(_) => Err(format!("pg_terminate_backend({pid}) did not end it")),
-        }
-    })
-}
-
-/// A held advisory lock: a task owns the connection and keeps proving ownership until it is told
-/// to release or finds the lock gone.
-fn watch(
-    session: Session,
-    target: &PostgresTarget,
-    request: &LockRequest<'_>,
-    (fencing_token, previous, recorded): (u64, Previous, bool),
-    asked: (Deadline, Option<(u16, u16)>),
-) -> HeldLock {
-    let key = lock_key(request.name);
-    let farewell = SessionFarewell {
-        server: Server::Postgres,
-        url: target.secret.clone(),
-        session_id: u64::from(session.pid as u32),
-        revision: 0,
-        name: request.name.as_str().to_owned(),
-        holder_id: request.holder.id.clone(),
-        timeout: request.timings.connect_timeout,
-        ca_file: target.tls.ca_file.clone(),
-    }
-    .encode();
-    let watcher = Watcher {
-        pid: session.pid,
-        key,
-        target: target.clone(),
-        cancel: session.client.cancel_token(),
-        check_sql: check_sql(request, key),
-        released_sql: recorded.then(|| {
-            record_table::mark_sql(
-                request.name.as_str(),
-                &request.holder.id,
-                RecordState::Released,
-            )
-        }),
-        timing: CheckTiming::of(request),
-    };
-    let windows = PostgresWindows {
-        pid: session.pid,
-        target: Box::new(target.clone()),
-    };
-    HeldLock::new(SessionHeld {
-        session: SessionLock::spawn(
-            watcher,
-            session.client,
-            farewell,
-            Some(fencing_token),
-            asked,
-        ),
-        previous,
-        windows,
-    })
-}
-
-/// What scheduled runs need to claim windows under a held advisory lock.
-pub struct PostgresWindows {
-    /// Where scheduled runs record their windows, on a connection of their own: the lock's
-    /// connection is busy with the ownership check.
-    target: Box<PostgresTarget>,
-    /// The lock's backend, which a window claim proves still holds the key.
-    pid: i32,
-}
-
-/// The table of claimed windows, created on first use in the URL's database (its default schema).
-const WINDOWS_TABLE: &str = "CREATE TABLE IF NOT EXISTS sentinel_guard_windows (\
-name varchar(64) NOT NULL, \
-window_start timestamptz NOT NULL, \
-holder varchar(64) NOT NULL, \
-host varchar(255) NOT NULL, \
-claimed_at timestamptz NOT NULL, \
-finished_at timestamptz NULL, \
-exit_code smallint NULL, \
-PRIMARY KEY (name, window_start))";
-
-/// Rows kept per lock name: enough to outlast every window, few enough to stay small.
-const WINDOWS_KEPT: u32 = 100;
-
-/// Microseconds since the epoch of a timestamp expression, exactly (`extract` is numeric).
-fn micros(expression: &str) -> String {
-    format!("(extract(epoch FROM {expression}) * 1000000)::bigint")
-}
-
-#[async_trait]
-impl WindowStore for PostgresWindows {
-    /// Inserts the window's row only while the lock's own backend holds the key (and is this
-    /// guard's, by its `application_name`: pids are reused) and while the server's clock is inside
-    /// the window; the primary key refuses a second claim. Lock names, holder ids and host names
-    /// are restricted to characters that need no quoting.
-    async fn claim(&mut self, request: &ClaimRequest<'_>) -> Result<ClaimAnswer, LockError> {
-        let (target, limit) = (&self.target, request.timings.check_timeout);
-        let client = windows_session(target, request).await?;
-        let name = request.name.as_str();
-        let window = request.window;
-        let last = read_last_claim(&client, target, name, limit).await?;
-        if let Some(blocked) = ClaimAnswer::blocked_by(last.as_ref(), window) {
-            return Ok(blocked);
-        }
-        let (start, end) = (window.start / 1_000_000, window.end / 1_000_000);
-        // This window's own claim, whose command never started: it holds nothing, and its row
-        // goes for the new one (no proof needed to remove what blocks nothing).
-        if last
-            .as_ref()
-            .is_some_and(|last| last.window_start == window.start)
-        {
-            let delete = format!(
-                "DELETE FROM sentinel_guard_windows \
-                 WHERE name = '{name}' AND window_start = to_timestamp({start}) AND exit_code < 0"
-            );
-            query(&client, &delete, limit).await.map_err(|f| {
-                windows_error(target, "DELETE FROM sentinel_guard_windows", f, limit)
-            })?;
-        }
-        let insert = format!(
-            "INSERT INTO sentinel_guard_windows (name, window_start, holder, host, claimed_at) \
-             SELECT '{name}', to_timestamp({start}), '{holder}', '{host}', clock_timestamp() \
-             WHERE EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
-             WHERE {lock} AND l.pid = {pid} AND a.application_name = '{app}') \
-             AND clock_timestamp() >= to_timestamp({start}) AND clock_timestamp() < to_timestamp({end}) \
-             ON CONFLICT DO NOTHING RETURNING 1",
-            holder = request.holder.id,
-            host = request.holder.host,
-            lock = lock_row(lock_key(request.name)),
-            pid = self.pid,
-            app = application_name(&request.holder.id),
-        );
-        let inserted = match query(&client, &insert, limit).await {
-            Err(Failure::Db(e)) if e.code() == Some(&SqlState::UNDEFINED_TABLE) => {
-                create_windows_table(&client, target, limit).await?;
-                query(&client, &insert, limit).await
-            }
-            other => other,
-        }
-        .map_err(|f| windows_error(target, "INSERT INTO sentinel_guard_windows", f, limit))?;
-        if inserted.is_empty() {
-            return Ok(ClaimAnswer::NotNow(
-                "the lock's backend no longer holds the key, or the server's clock is outside the window",
-            ));
-        }
-        let prune = format!(
-            "DELETE FROM sentinel_guard_windows WHERE name = '{name}' AND window_start < \
-             (SELECT window_start FROM sentinel_guard_windows WHERE name = '{name}' \
-             ORDER BY window_start DESC OFFSET {} LIMIT 1)",
-            WINDOWS_KEPT - 1
-        );
-        if query(&client, &prune, limit).await.is_err() {
-            warn!(
-                event = "windows_prune_failed",
-                "cannot delete old rows of sentinel_guard_windows"
-            );
-        }
-        Ok(ClaimAnswer::Ours)
-    }
-
-    async fn record_end(
-        &mut self,
-        request: &ClaimRequest<'_>,
-        exit: RunExit,
-    ) -> Result<(), LockError> {
-        let (target, limit) = (&self.target, request.timings.check_timeout);
-        let client = windows_session(target, request).await?;
-        let update = format!(
-            "UPDATE sentinel_guard_windows SET finished_at = clock_timestamp(), exit_code = {code} \
-             WHERE name = '{name}' AND window_start = to_timestamp({start}) AND holder = '{holder}'",
-            name = request.name.as_str(),
-            start = request.window.start / 1_000_000,
-            holder = request.holder.id,
-            code = exit.stored(),
-        );
-        query(&client, &update, limit)
-            .await
-            .map(drop)
-            .map_err(|f| windows_error(target, "UPDATE sentinel_guard_windows", f, limit))
-    }
-}
-
-/// A connection for the windows table, named after the guard in `pg_stat_activity`.
-async fn windows_session(
-    target: &PostgresTarget,
-    request: &ClaimRequest<'_>,
-) -> Result<Client, LockError> {
-    let app_name = format!("sentinel-guard windows {}", request.holder.id);
-    connect(target, &app_name, request.timings.connect_timeout).await
-}
-
-/// A server's error on the windows table (a missing grant, a read-only server) will not mend by
-/// itself: a refusal, which stops a scheduler; silence or a closed session is the backend being
-/// unreachable, which the job's `--if-unavailable` policy handles.
-fn windows_error(
-    target: &PostgresTarget,
-    what: &str,
-    failure: Failure,
-    limit: Duration,
-) -> LockError {
-    match failure {
-        Failure::Db(e) if e.as_db_error().is_some() && !session_ended(&e) => {
-            LockError::Refused(target.explain(e))
-        }
-        failure => target.failed(what, failure, limit),
-    }
-}
-
-/// Creates the windows table, or says exactly what an administrator must run once.
-async fn create_windows_table(
-    client: &Client,
-    target: &PostgresTarget,
-    limit: Duration,
-) -> Result<(), LockError> {
-    match query(client, WINDOWS_TABLE, limit).await {
-        Ok(_) => {
-            info!(
-                event = "windows_table_created",
-                "created table sentinel_guard_windows for scheduled runs"
-            );
-            Ok(())
-        }
-        Err(Failure::Db(e)) if e.as_db_error().is_some() => {
-            let user = target.config.get_user().unwrap_or("<user>");
-            Err(LockError::Refused(format!(
-                "{}; cannot create the table of scheduled windows. Run this once as an administrator in \
-                 the URL's database: {WINDOWS_TABLE}; and grant the guard's user: \
-                 GRANT SELECT, INSERT, UPDATE, DELETE ON sentinel_guard_windows TO \"{user}\";",
-                target.explain(e)
-            )))
-        }
-        Err(failure) => Err(target.failed("CREATE TABLE sentinel_guard_windows", failure, limit)),
-    }
-}
-
-/// The newest claimed window of `name`; `None` without the table (nothing was ever scheduled).
-async fn read_last_claim(
-    client: &Client,
-    target: &PostgresTarget,
-    name: &str,
-    limit: Duration,
-) -> Result<Option<Claim>, LockError> {
-    let select = format!(
-        "SELECT {start}, holder, host, {claimed}, {finished}, exit_code \
-         FROM sentinel_guard_windows WHERE name = '{name}' ORDER BY window_start DESC LIMIT 1",
-        start = micros("window_start"),
-        claimed = micros("claimed_at"),
-        finished = micros("finished_at"),
-    );
-    let rows = match query(client, &select, limit).await {
-        Err(Failure::Db(e)) if e.code() == Some(&SqlState::UNDEFINED_TABLE) => return Ok(None),
-        rows => {
-            rows.map_err(|f| windows_error(target, "SELECT FROM sentinel_guard_windows", f, limit))?
-        }
-    };
-    let Some(row) = rows.first() else {
-        return Ok(None);
-    };
-    let text = |column: usize| row.get(column).cloned().flatten().unwrap_or_default();
-    Ok(Some(Claim {
-        window_start: number(row, 0).unwrap_or_default(),
-        holder_id: text(1),
-        host: text(2),
-        claimed_at: number(row, 3).unwrap_or_default(),
-        end: match (number::<i64>(row, 4), number::<i64>(row, 5)) {
-            (Some(finished_at), Some(code)) => Some(RunEnd::from_stored(code, finished_at)),
-            _ => None,
-        },
-    }))
-}
-
-/// `clock_timestamp()` in microseconds.
-pub async fn server_clock(
-    target: &PostgresTarget,
-    timings: &Timings,
-) -> Result<UnixMicros, LockError> {
-    let client = connect(target, "sentinel-guard clock", timings.connect_timeout).await?;
-    let select = format!("SELECT {}", micros("clock_timestamp()"));
-    let rows = query(&client, &select, timings.check_timeout)
-        .await
-        .map_err(|f| target.failed("SELECT clock_timestamp()", f, timings.check_timeout))?;
-    rows.first()
-        .and_then(|row| number(row, 0))
-        .ok_or_else(|| LockError::Unsafe("the server returned no time".to_owned()))
-}
-
-/// The newest claimed window of `name`, for `status` and the scheduler.
-pub async fn last_claim(
-    target: &PostgresTarget,
-    name: &LockName,
-    connect_limit: Duration,
-    answer: Duration,
-) -> Result<Option<Claim>, LockError> {
-    let client = connect(target, "sentinel-guard status", connect_limit).await?;
-    read_last_claim(&client, target, name.as_str(), answer).await
-}
-
-/// The query that proves ownership: the sleep first (a function scan), then the lock test, so the
-/// answer says the lock was still this backend's when the sleep ended, and that the server is still
-/// a primary (not in recovery). The comment names the guard in `pg_stat_activity`.
-fn check_sql(request: &LockRequest<'_>, key: i64) -> String {
-    format!(
-        "SELECT pg_backend_pid(), {held}, pg_is_in_recovery() FROM pg_sleep({sleep:.3}) \
-         /* sentinel-guard {holder} */",
-        held = held_here(key),
-        sleep = request.timings.check_interval.as_secs_f64(),
-        holder = request.holder,
-    )
-}
-
-struct Watcher {
-    pid: i32,
-    key: i64,
-    target: PostgresTarget,
-    cancel: CancelToken,
-    check_sql: String,
-    /// Marks the lock record released, where one was written.
-    released_sql: Option<String>,
-    timing: CheckTiming,
-}
-
-type CheckResult = Result<Rows, Failure>;
-
-impl SessionWatcher for Watcher {
-    type Conn = Client;
-    type Answer = CheckResult;
-
-    fn timing(&self) -> &CheckTiming {
-        &self.timing
-    }
-
-    fn check<'a>(
-        &'a self,
-        client: &'a mut Client,
-    ) -> impl Future<Output = CheckResult> + Send + 'a {
-        query(client, &self.check_sql, self.timing.budget)
-    }
-
-    fn verdict(&self, answer: CheckResult) -> Verdict {
-        match answer {
-            Ok(rows) if rows.first().is_some_and(|row| is_true(row, 2)) => Verdict::Demoted(
-                "pg_is_in_recovery() is true: the server is no longer a primary".to_owned(),
-            ),
-            Ok(rows)
-                if rows
-                    .first()
-                    .is_some_and(|row| number(row, 0) == Some(self.pid) && is_true(row, 1)) =>
-            {
-                Verdict::Owned
-            }
-            Ok(rows) => Verdict::NotOwner(format!(
-                "backend {} no longer holds key {} ({:?})",
-                self.pid,
-                self.key,
-                rows.first()
-            )),
-            Err(Failure::Timeout) => Verdict::NoAnswer,
-            Err(Failure::Db(e)) if session_ended(&e) => Verdict::Closed(self.target.explain(e)),
-            Err(Failure::Db(e)) => Verdict::Failed(self.target.explain(e)),
-        }
-    }
-
-    /// A stream to the server for one cancel request.
-    type Interrupter = CancelStream;
-
-    fn open_interrupter(&self) -> impl Future<Output = Option<CancelStream>> + Send + 'static {
-        CancelStream::open(self.target.clone())
-    }
-
-    /// The protocol's cancel request (a short connection that needs no credentials), repeated until
-    /// the check answers: the first one can reach the server before the check itself does. The first
-    /// goes over the stream opened ahead, if there is one; the repeats, and a first one whose stream
-    /// the server has closed meanwhile (it waits `authentication_timeout` for a request), connect
-    /// anew. If one cannot be sent, the sleep simply runs out.
-    async fn interrupt<'a, F>(
-        &'a self,
-        mut check: Pin<&'a mut F>,
-        ahead: Option<CancelStream>,
-    ) -> CheckResult
-    where
-        F: Future<Output = CheckResult> + Send + 'a,
-    {
-        if let Some(CancelStream { stream, tls }) = ahead {
-            let cancelled =
-                timeout(INTERRUPT_TIMEOUT, self.cancel.cancel_query_raw(stream, tls)).await;
-            if matches!(cancelled, Ok(Ok(()))) {
-                if let Ok(result) = timeout(INTERRUPT_RETRY, check.as_mut()).await {
-                    return result;
-                }
-            }
-        }
-        let Ok(tls) = Tls::new(&self.target.tls) else {
-            return check.await;
-        };
-        loop {
-            let cancelled = timeout(INTERRUPT_TIMEOUT, self.cancel.cancel_query(tls.clone())).await;
-            if !matches!(cancelled, Ok(Ok(()))) {
-                debug!(
-                    backend_pid = self.pid,
-                    "could not cancel the check sleep; waiting for it to end"
-                );
-                return check.await;
-            }
-            if let Ok(result) = timeout(INTERRUPT_RETRY, check.as_mut()).await {
-                return result;
-            }
-        }
-    }
-
-    fn release(&self, client: Client) -> impl Future<Output = Result<(), LockError>> + Send + '_ {
-        self.give_back(client)
-    }
-
-    /// The driver matches each answer to its own request, so a late one misleads nothing.
-    fn abandon(&self, client: Client) -> impl Future<Output = Result<(), LockError>> + Send + '_ {
-        self.give_back(client)
-    }
-}
-
-/// A TCP stream to the lock session's server, and the TLS the cancel request will be sent with: what
-/// `CancelToken::cancel_query` would open itself, opened before the request is due.
-struct CancelStream {
-    stream: TcpStream,
-    tls: tls::Connect,
-}
-
-impl CancelStream {
-    /// Follows the driver's `connect` and `cancel_query`: the host's address (`hostaddr` before
-    /// `host`), its port (5432 by default), and a TLS connector for the host's name (made before
-    /// connecting, as the driver makes it) with the session's `sslmode` and CA file. Only a URL of
-    /// one TCP host says which server the session is on: with several hosts the one the driver
-    /// reached is not known here, and a Unix socket costs nothing to open at release, so there is
-    /// no stream ahead then.
-    async fn open(target: PostgresTarget) -> Option<CancelStream> {
-        let config = &target.config;
-        let (hosts, addrs) = (config.get_hosts(), config.get_hostaddrs());
-        if hosts.len().max(addrs.len()) != 1 {
-            return None;
-        }
-        let hostname = match hosts.first() {
-            Some(Host::Tcp(name)) => Some(name.as_str()),
-            _ => None,
-        };
-        let addr = match (addrs.first(), hostname) {
-            (Some(addr), _) => addr.to_string(),
-            (None, Some(name)) => name.to_owned(),
-            (None, None) => return None,
-        };
-        let port = config.get_ports().first().copied().unwrap_or(5432);
-        let mut make_tls = Tls::new(&target.tls).ok()?;
-        let tls = MakeTlsConnect::<TcpStream>::make_tls_connect(
-            &mut make_tls,
-            hostname.unwrap_or_default(),
-        )
-        .ok()?;
-        let stream = timeout(INTERRUPT_TIMEOUT, TcpStream::connect((addr.as_str(), port)))
-            .await
-            .ok()?
-            .ok()?;
-        Some(CancelStream { stream, tls })
-    }
-}
-
-impl Watcher {
-    async fn give_back(&self, client: Client) -> Result<(), LockError> {
-        // The record first, while the lock is still ours: the next holder starts at once. Only
-        // called once the app's tree is gone.
-        if let Some(sql) = &self.released_sql {
-            if let Err(failure) = query(&client, sql, self.timing.budget).await {
-                let error = match failure {
-                    Failure::Db(e) => self.target.explain(e),
-                    Failure::Timeout => "no answer".to_owned(),
-                };
-                warn!(event = "lock_record_failed", error = %error, "cannot mark the lock record released; the next holder waits the takeover bound");
-            }
-        }
-        let sql = format!("SELECT pg_advisory_unlock({})", self.key);
-        match query(&client, &sql, self.timing.budget).await {
-            Ok(rows) if rows.first().is_some_and(|row| is_true(row, 0)) => info!(
-                event = "lock_released",
-                backend_pid = self.pid,
-                "postgres lock released"
-            ),
-            Ok(rows) => warn!(
-                event = "release_failed",
-                backend_pid = self.pid,
-                result = ?rows.first(),
-                "pg_advisory_unlock did not confirm; closing the connection frees the lock"
-            ),
-            Err(Failure::Db(e)) => warn!(
-                event = "release_failed",
-                backend_pid = self.pid,
-                error = %self.target.explain(e),
-                "pg_advisory_unlock failed; closing the connection frees the lock"
-            ),
-            Err(Failure::Timeout) => warn!(
-                event = "release_failed",
-                backend_pid = self.pid,
-                "pg_advisory_unlock timed out; closing the connection frees the lock"
-            ),
-        }
-        // Dropping the client ends the session, which frees the lock even where the unlock failed.
-        drop(client);
-        Ok(())
     }
 }
 

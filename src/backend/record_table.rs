@@ -9,6 +9,7 @@
 
 use std::time::Duration;
 
+use super::LockRequest;
 use crate::record::{set_back_error, Fence, Previous, RecordFacts, RecordState};
 
 pub const TABLE: &str = "sentinel_guard_locks";
@@ -36,6 +37,17 @@ pub fn mark_sql(name: &str, holder_id: &str, state: RecordState) -> String {
          WHERE name = '{name}' AND holder = '{holder_id}' AND state = 'held'",
         state.as_str()
     )
+}
+
+/// What the release runs to mark this holder's row released, where acquisition wrote one.
+pub fn released_sql(request: &LockRequest<'_>, recorded: bool) -> Option<String> {
+    recorded.then(|| {
+        mark_sql(
+            request.name.as_str(),
+            &request.holder.id,
+            RecordState::Released,
+        )
+    })
 }
 
 /// A row as `read_sql` returns it.

@@ -29,7 +29,7 @@ use crate::window::RunExit;
 pub struct WatcherEnds {
     pub lost: watch::Sender<Option<LockLoss>>,
     pub release: oneshot::Receiver<()>,
-    dead_by: watch::Sender<Deadline>,
+    app_deadline: watch::Sender<Deadline>,
 }
 
 impl WatcherEnds {
@@ -40,8 +40,8 @@ impl WatcherEnds {
     /// Publishes by when the app must be dead if ownership is not proven again before then. A
     /// deadline that has passed is final: it is never replaced by a later one, so the guard acts on
     /// it even when a proof arrives after it (a thawed guard reading a late answer).
-    pub fn app_dead_by(&self, at: Deadline) {
-        self.dead_by.send_if_modified(|current| {
+    pub fn move_app_deadline(&self, at: Deadline) {
+        self.app_deadline.send_if_modified(|current| {
             if current.has_passed() || *current == at {
                 return false;
             }
@@ -53,29 +53,29 @@ impl WatcherEnds {
 
 pub struct WatchedLock {
     lost: watch::Receiver<Option<LockLoss>>,
-    dead_by: watch::Receiver<Deadline>,
+    app_deadline: watch::Receiver<Deadline>,
     release: Option<oneshot::Sender<()>>,
     watcher: JoinHandle<Result<(), LockError>>,
 }
 
 impl WatchedLock {
-    /// Starts `watcher` as a task in the caller's tracing span; `dead_by` is the app's first deadline.
-    pub fn spawn<F, Fut>(dead_by: Deadline, watcher: F) -> WatchedLock
+    /// Starts `watcher` as a task in the caller's tracing span; `app_deadline` is the app's first deadline.
+    pub fn spawn<F, Fut>(app_deadline: Deadline, watcher: F) -> WatchedLock
     where
         F: FnOnce(WatcherEnds) -> Fut,
         Fut: Future<Output = Result<(), LockError>> + Send + 'static,
     {
         let (lost_tx, lost) = watch::channel(None);
-        let (dead_by_tx, dead_by) = watch::channel(dead_by);
+        let (app_deadline_tx, app_deadline) = watch::channel(app_deadline);
         let (release, release_rx) = oneshot::channel();
         let task = watcher(WatcherEnds {
             lost: lost_tx,
             release: release_rx,
-            dead_by: dead_by_tx,
+            app_deadline: app_deadline_tx,
         });
         WatchedLock {
             lost,
-            dead_by,
+            app_deadline,
             release: Some(release),
             watcher: tokio::spawn(task.in_current_span()),
         }
@@ -83,7 +83,7 @@ impl WatchedLock {
 
     /// The latest moment by which the app must be dead, as the watcher keeps moving it.
     pub fn app_deadline(&self) -> watch::Receiver<Deadline> {
-        self.dead_by.clone()
+        self.app_deadline.clone()
     }
 
     /// The watcher's reports of a loss, read without waiting.
@@ -274,7 +274,7 @@ async fn watch_session<W: SessionWatcher>(
             return watcher.release(conn).await;
         }
         let sent = Deadline::now();
-        ends.app_dead_by(sent.min(proven_until) + timing.budget + timing.grace);
+        ends.move_app_deadline(sent.min(proven_until) + timing.budget + timing.grace);
         // For a check cut short by a release: whether it was answered (see below).
         let (check, release) = {
             let check = watcher.check(&mut conn);
@@ -376,11 +376,11 @@ impl SessionLock {
         if socket.is_none() {
             debug!("no copy of the session's socket for the watchdog; the server's own detection frees the lock of a dead guard");
         }
-        let dead_by = asked + watcher.timing().budget + watcher.timing().grace;
+        let app_deadline = asked + watcher.timing().budget + watcher.timing().grace;
         let release_coming = Arc::new(Notify::new());
         let coming = release_coming.clone();
         SessionLock {
-            watched: WatchedLock::spawn(dead_by, |ends| {
+            watched: WatchedLock::spawn(app_deadline, |ends| {
                 watch_session(watcher, conn, ends, (coming, asked))
             }),
             release_coming,

@@ -186,8 +186,9 @@ impl Spec {
                 },
             },
             Spec::Cluster { nodes, tls } => {
-                // The guard bounds every command itself; the client's own retries only follow
-                // redirections and refresh the slot map within that bound.
+                // The guard bounds every command itself; within that bound the client follows
+                // redirections, refreshes the slot map, and re-sends a request (a whole pipeline)
+                // whose answer an I/O error lost, which the lock's scripts and claims allow for.
                 let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.clone());
                 if *tls {
                     builder = builder.tls(TlsMode::Secure);

@@ -2,7 +2,6 @@
 //! ending, the lock being lost, a signal, or the max runtime; tear the app's tree down; release.
 //! Scheduled runs (`schedule`) and supervising one app (`supervise`) are its two halves.
 
-use std::cell::Cell;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,7 +10,9 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
-use crate::backend::{self, Acquisition, Backoff, HeldLock, HolderInfo, LockRequest, Patience};
+use crate::backend::{
+    self, Acquisition, Backoff, HeldLock, HolderInfo, LockRequest, Patience, ServingLock,
+};
 use crate::config::{Config, TakeoverDelay, Target, Wait};
 use crate::deadline::{self, Deadline};
 use crate::endpoints::Endpoints;
@@ -99,7 +100,6 @@ pub async fn run(config: &Config, endpoints: Option<Endpoints>, parent: Pid) -> 
         metrics,
         vouching,
         app_socket: socket.as_ref().map(HeldSocket::path),
-        stop_requested: Cell::new(false),
     };
     let outcome = guard.run(endpoints, parent).instrument(span.clone()).await;
     span.in_scope(|| {
@@ -146,8 +146,6 @@ struct Guard<'a> {
     app_socket: Option<std::path::PathBuf>,
     /// What the app's socket answers: whether the lock is held, and for how long it is promised.
     vouching: Vouching,
-    /// A signal asked the guard to stop while an app ran: a scheduler starts no further run.
-    stop_requested: Cell<bool>,
 }
 
 impl Guard<'_> {
@@ -222,14 +220,27 @@ impl Guard<'_> {
         let Some(target) = &self.config.target else {
             return self.supervise(None, &mut signals, None).await.outcome();
         };
+        self.acquisitions(&mut signals, async |signals, rejoining| {
+            self.take_lock(target, signals, rejoining).await
+        })
+        .await
+    }
+
+    /// One acquisition after another, each taken by `take` (told whether the guard is rejoining):
+    /// the takeover delay, the app's run, and with `--rejoin` the wait for the next.
+    async fn acquisitions(
+        &self,
+        signals: &mut SignalEvents,
+        mut take: impl AsyncFnMut(&mut SignalEvents, bool) -> Result<HeldLock, Outcome>,
+    ) -> Outcome {
         let mut rejoining = false;
         loop {
-            let held = match self.take_lock(target, &mut signals, rejoining).await {
+            let held = match take(signals, rejoining).await {
                 Ok(held) => held,
                 Err(outcome) => return outcome,
             };
-            let finished = match self.takeover_delay(held, &mut signals).await {
-                Ok(held) => self.supervise(Some(held), &mut signals, None).await,
+            let finished = match self.takeover_delay(held, signals).await {
+                Ok(held) => self.supervise(Some(held), signals, None).await,
                 Err(finished) => finished,
             };
             match finished {
@@ -401,7 +412,7 @@ impl Guard<'_> {
     }
 
     /// Gives the lock back once nothing of the app is alive, which `gone` proves.
-    async fn release(&self, held: Option<HeldLock>, gone: TreeGone) {
+    async fn release(&self, held: Option<ServingLock>, gone: TreeGone) {
         if let Some(lock) = held {
             self.released(lock.release(gone).await);
         }
@@ -458,7 +469,7 @@ enum AppGone {
 }
 
 /// The next moment the backend watcher sets for the app to be dead by.
-async fn next_deadline(deadline: &mut Option<watch::Receiver<Deadline>>) -> Deadline {
+async fn next_app_deadline(deadline: &mut Option<watch::Receiver<Deadline>>) -> Deadline {
     if let Some(rx) = deadline {
         if rx.changed().await.is_ok() {
             return *rx.borrow_and_update();
@@ -479,7 +490,7 @@ async fn stop_request(signals: &mut SignalEvents) -> i32 {
     }
 }
 
-async fn lost(held: &mut Option<HeldLock>) -> backend::LockLoss {
+async fn lost(held: Option<&mut HeldLock>) -> backend::LockLoss {
     match held {
         Some(lock) => lock.lost().await,
         None => std::future::pending().await,
@@ -494,146 +505,4 @@ async fn at(deadline: Option<Deadline>) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::backend::fake;
-    use crate::cli::Cli;
-    use crate::config::Invocation;
-    use clap::Parser;
-    use tokio::sync::mpsc;
-
-    /// The guard's configuration with `flags`, on a file lock that these tests never touch: the lock
-    /// is a fake (`backend::fake`).
-    fn config(flags: &[&str]) -> Config {
-        let mut args = vec![
-            "sentinel-guard",
-            "--url",
-            "file:///nonexistent/fake.lock",
-            "--name",
-            "fake",
-        ];
-        args.extend_from_slice(flags);
-        args.extend(["--", "true"]);
-        match Invocation::from_cli(Cli::try_parse_from(args).unwrap(), None) {
-            Ok(Invocation::Guard(config)) => *config,
-            _ => panic!("not a guard's configuration: {flags:?}"),
-        }
-    }
-
-    fn guard<'a>(config: &'a Config, holder: &'a Holder) -> Guard<'a> {
-        let metrics = Metrics::new(
-            config.name.as_str(),
-            "file",
-            false,
-            config.timings.check_timeout,
-            None,
-            false,
-        );
-        Guard {
-            config,
-            holder,
-            backend: "file",
-            observer: Arc::new(Reports {
-                checks: metrics.checks(),
-                metrics: metrics.clone(),
-            }),
-            metrics,
-            vouching: Vouching::new(config.name.as_str(), "file", &holder.id),
-            app_socket: None,
-            stop_requested: Cell::new(false),
-        }
-    }
-
-    /// Signal events the test sends.
-    fn signals() -> (mpsc::UnboundedSender<i32>, SignalEvents) {
-        let (sender, received) = mpsc::unbounded_channel();
-        (sender, SignalEvents::from_test(received))
-    }
-
-    /// The lock was taken away from a holder whose app may still stop for 4s.
-    const TAKEN_AWAY: Previous = Previous::MayRun {
-        bound: Duration::from_secs(4),
-        why: "taken_away",
-    };
-
-    /// What happens 1s into the takeover delay.
-    enum AfterOneSecond {
-        Nothing,
-        LockTakenAway,
-        Sigterm,
-    }
-
-    /// The takeover delay of a guard with `flags` that found `previous` in the lock record, in
-    /// paused time: its result, how long it took, and whether the lock was given back.
-    async fn takeover(
-        flags: &[&str],
-        previous: Previous,
-        then: AfterOneSecond,
-    ) -> (Result<HeldLock, Finished>, Duration, bool) {
-        let (config, holder) = (config(flags), Holder::of_this_process());
-        let (held, control) = fake::acquired(previous, Deadline::after(Duration::from_secs(3600)));
-        let (sender, mut signals) = signals();
-        let guard = guard(&config, &holder);
-        let start = Instant::now();
-        let ((result, took), ()) = tokio::join!(
-            async {
-                let result = guard.takeover_delay(held, &mut signals).await;
-                (result, start.elapsed())
-            },
-            async {
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                match then {
-                    AfterOneSecond::Nothing => {}
-                    AfterOneSecond::LockTakenAway => control.take_away(),
-                    AfterOneSecond::Sigterm => sender.send(nix::libc::SIGTERM).unwrap(),
-                }
-            }
-        );
-        (result, took, control.given_back())
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn after_a_lock_taken_away_the_app_waits_the_previous_holders_bound() {
-        let (result, took, given_back) = takeover(&[], TAKEN_AWAY, AfterOneSecond::Nothing).await;
-        assert!(result.is_ok() && !given_back);
-        assert_eq!(took, Duration::from_secs(4));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn after_the_previous_app_is_known_gone_the_app_starts_at_once() {
-        let gone = Previous::Gone("released");
-        let (result, took, _) = takeover(&[], gone, AfterOneSecond::Nothing).await;
-        assert!(result.is_ok());
-        assert_eq!(took, Duration::ZERO);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_fixed_delay_is_waited_even_after_a_release_the_record_cannot_vouch_for() {
-        let flags = ["--takeover-delay", "30s"];
-        let gone = Previous::Gone("released");
-        let (result, took, _) = takeover(&flags, gone, AfterOneSecond::Nothing).await;
-        assert!(result.is_ok());
-        assert_eq!(took, Duration::from_secs(30));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_lock_lost_during_the_wait_starts_no_app_and_ends_the_wait_at_once() {
-        let (result, took, _) = takeover(&[], TAKEN_AWAY, AfterOneSecond::LockTakenAway).await;
-        assert!(matches!(
-            result,
-            Err(Finished::LockLost(AppGone::NeverStarted))
-        ));
-        assert_eq!(took, Duration::from_secs(1));
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_stop_during_the_wait_gives_the_unused_lock_back() {
-        let (result, took, given_back) = takeover(&[], TAKEN_AWAY, AfterOneSecond::Sigterm).await;
-        assert!(matches!(
-            result,
-            Err(Finished::Exit(Outcome::StoppedBeforeStart))
-        ));
-        assert_eq!(took, Duration::from_secs(1));
-        assert!(given_back);
-    }
-}
+mod tests;

@@ -12,7 +12,7 @@ use crate::metrics::AcquireOutcome;
 use crate::outcome::Outcome;
 use crate::supervisor::SignalEvents;
 use crate::vocab::signal_name;
-use crate::window::{self, IfUnavailable, Schedule, ScheduleMode, Window, WindowOutcome};
+use crate::window::{self, IfUnavailable, RunExit, Schedule, ScheduleMode, Window, WindowOutcome};
 
 use super::{stop_request, Finished, Guard};
 
@@ -24,75 +24,32 @@ impl Guard<'_> {
         schedule: &Schedule,
         signals: &mut SignalEvents,
     ) -> Outcome {
-        let timings = &self.config.timings;
-        // The last window decided here, by the backend's numbering; and the last one decided by
-        // this host's clock while the backend could not be asked (never tried again either).
-        let (mut decided, mut decided_locally) = (None::<i64>, None::<i64>);
-        // How often the current window's attempt came back empty-handed, and for which window.
-        let mut attempts = (None::<i64>, 0u32);
-        let mut first = true;
+        let mut progress = Progress {
+            decided: None,
+            decided_locally: None,
+            attempts: (None, 0),
+            first: true,
+        };
         loop {
-            let clock = match &self.config.target {
-                Some(target) => tokio::select! {
-                    clock = backend::server_clock(target, timings) => clock,
-                    signal = stop_request(signals) => return self.stopped_between_runs(schedule, signal),
-                },
-                None => Ok(window::local_now()),
-            };
-            let (window, tried) = match clock {
-                Err(error) => {
-                    // The backend's clock is unknown: this host's numbers the window meanwhile, and
-                    // the backend is asked again soon, so a short outage does not cost a window.
-                    let now = window::local_now();
-                    let window = schedule.window_at(now);
-                    if decided_locally == Some(window.index) {
-                        let retry = window.until_end(now).min(UNAVAILABLE_RETRY);
-                        if let Some(stopped) = self.nap(retry, schedule, signals).await {
-                            return stopped;
-                        }
-                        continue;
+            let (window, tried) = match self.next_try(schedule, signals, &mut progress).await {
+                Step::Tried(window, tried) => (window, tried),
+                Step::Nap(nap) => {
+                    if let Some(stopped) = self.nap(nap, schedule, signals).await {
+                        return stopped;
                     }
-                    decided_locally = Some(window.index);
-                    let tried = self
-                        .unavailable(schedule, &window, None, &error, signals)
-                        .await;
-                    (None, tried)
+                    continue;
                 }
-                Ok(now) => {
-                    let window = schedule.window_at(now);
-                    let settling = first
-                        && schedule.mode == ScheduleMode::OncePer
-                        && window.until_end(now) <= schedule.settle();
-                    first = false;
-                    let done = decided.is_some_and(|d| window.index <= d)
-                        || decided_locally == Some(window.index);
-                    if settling || done {
-                        // A millisecond past the next start, so the backend's clock is there too.
-                        let nap = window.until_end(now) + Duration::from_millis(1);
-                        if let Some(stopped) = self.nap(nap, schedule, signals).await {
-                            return stopped;
-                        }
-                        continue;
-                    }
-                    let tried = match &self.config.target {
-                        Some(target) => self.try_window(target, schedule, &window, signals).await,
-                        None => {
-                            self.run_window(None, WindowOutcome::Ran, schedule, &window, signals)
-                                .await
-                        }
-                    };
-                    (Some(window), tried)
-                }
+                Step::Stopped(outcome) => return outcome,
             };
             let index = window.map(|w| w.index);
-            if attempts.0 != index {
-                attempts = (index, 0);
+            if progress.attempts.0 != index {
+                progress.attempts = (index, 0);
             }
             let outcome = match tried {
                 Tried::Stopped(outcome) => return outcome,
                 Tried::Decided(outcome) => outcome,
-                Tried::Retry if attempts.1 < MAX_LOOKS => {
-                    attempts.1 += 1;
+                Tried::Retry if progress.attempts.1 < MAX_LOOKS => {
+                    progress.attempts.1 += 1;
                     if let Some(stopped) = self.nap(LOOK_PAUSE, schedule, signals).await {
                         return stopped;
                     }
@@ -105,8 +62,8 @@ impl Guard<'_> {
                     }
                     Outcome::WindowNotOurs
                 }
-                Tried::NotNow(why) if attempts.1 < MAX_NOT_NOW => {
-                    attempts.1 += 1;
+                Tried::NotNow(why) if progress.attempts.1 < MAX_NOT_NOW => {
+                    progress.attempts.1 += 1;
                     debug!(
                         event = "window_not_now",
                         reason = why,
@@ -124,10 +81,64 @@ impl Guard<'_> {
                 }
             };
             if index.is_some() {
-                decided = index;
+                progress.decided = index;
             }
-            if schedule.mode == ScheduleMode::OncePer || self.stop_requested.get() {
+            if schedule.mode == ScheduleMode::OncePer || signals.shutdown_asked() {
                 return outcome;
+            }
+        }
+    }
+
+    /// Reads the backend's clock and tries the window it names, unless that one is decided (or
+    /// about to end, at the start of `--once-per`): then how long to wait for the next.
+    async fn next_try(
+        &self,
+        schedule: &Schedule,
+        signals: &mut SignalEvents,
+        progress: &mut Progress,
+    ) -> Step {
+        let clock = match &self.config.target {
+            Some(target) => tokio::select! {
+                clock = backend::server_clock(target, &self.config.timings) => clock,
+                signal = stop_request(signals) => return Step::Stopped(self.stopped_between_runs(schedule, signal)),
+            },
+            None => Ok(window::local_now()),
+        };
+        match clock {
+            Err(error) => {
+                // The backend's clock is unknown: this host's numbers the window meanwhile, and the
+                // backend is asked again soon, so a short outage does not cost a window.
+                let now = window::local_now();
+                let window = schedule.window_at(now);
+                if progress.decided_locally == Some(window.index) {
+                    return Step::Nap(window.until_end(now).min(UNAVAILABLE_RETRY));
+                }
+                progress.decided_locally = Some(window.index);
+                let tried = self
+                    .unavailable(schedule, &window, None, &error, signals)
+                    .await;
+                Step::Tried(None, tried)
+            }
+            Ok(now) => {
+                let window = schedule.window_at(now);
+                let settling = progress.first
+                    && schedule.mode == ScheduleMode::OncePer
+                    && window.until_end(now) <= schedule.settle();
+                progress.first = false;
+                let done = progress.decided.is_some_and(|d| window.index <= d)
+                    || progress.decided_locally == Some(window.index);
+                if settling || done {
+                    // A millisecond past the next start, so the backend's clock is there too.
+                    return Step::Nap(window.until_end(now) + Duration::from_millis(1));
+                }
+                let tried = match &self.config.target {
+                    Some(target) => self.try_window(target, schedule, &window, signals).await,
+                    None => {
+                        self.run_window(None, WindowOutcome::Ran, schedule, &window, signals)
+                            .await
+                    }
+                };
+                Step::Tried(Some(window), tried)
             }
         }
     }
@@ -174,19 +185,7 @@ impl Guard<'_> {
         let held = match attempt {
             Ok(Acquisition::Acquired(held)) => held,
             Ok(Acquisition::HeldElsewhere(_)) => return self.held_elsewhere(target, window).await,
-            Err(e) => {
-                self.metrics.acquire(AcquireOutcome::Error);
-                return match e {
-                    LockError::NotALockFile(_) => {
-                        error!(event = "acquire_failed", error = %e, "cannot take the lock; the app was not started");
-                        Tried::Stopped(Outcome::Usage)
-                    }
-                    LockError::Unreachable(_) => {
-                        self.unavailable(schedule, window, None, &e, signals).await
-                    }
-                    _ => Tried::Stopped(self.refused(&e)),
-                };
-            }
+            Err(e) => return self.not_acquired(e, schedule, window, signals).await,
         };
         self.metrics.acquire(AcquireOutcome::Acquired);
         self.metrics.lock_taken(held.app_deadline());
@@ -215,6 +214,17 @@ impl Guard<'_> {
                 self.run_window(Some(held), WindowOutcome::Ran, schedule, window, signals)
                     .await
             }
+            // A claim a failover may lose: the job's policy for a backend that cannot record the
+            // claim decides. Skipped, the claim (if the primary has it) says its command never
+            // started, so that another replica may still run the window.
+            Ok(ClaimAnswer::Unkept(why)) => {
+                if matches!(schedule.if_unavailable, IfUnavailable::Skip) {
+                    self.never_started(&mut held, &claim).await;
+                }
+                let why = LockError::Unreachable(why.to_owned());
+                self.unavailable(schedule, window, Some(held), &why, signals)
+                    .await
+            }
             Ok(ClaimAnswer::Blocked(outcome, last)) => {
                 self.release_unused(Some(held)).await;
                 self.window_decided(window, outcome, Some(&last), None);
@@ -237,6 +247,41 @@ impl Guard<'_> {
                 self.release_unused(Some(held)).await;
                 Tried::Stopped(self.refused(&e))
             }
+        }
+    }
+
+    /// The lock could not be taken for the window: `e` says whether the job's policy for an
+    /// unavailable backend decides, or the scheduler stops.
+    async fn not_acquired(
+        &self,
+        e: LockError,
+        schedule: &Schedule,
+        window: &Window,
+        signals: &mut SignalEvents,
+    ) -> Tried {
+        self.metrics.acquire(AcquireOutcome::Error);
+        match e {
+            LockError::NotALockFile(_) => {
+                error!(event = "acquire_failed", error = %e, "cannot take the lock; the app was not started");
+                Tried::Stopped(Outcome::Usage)
+            }
+            LockError::Unreachable(_) => {
+                self.unavailable(schedule, window, None, &e, signals).await
+            }
+            _ => Tried::Stopped(self.refused(&e)),
+        }
+    }
+
+    /// Marks a claim the backend may not keep as never started, so that another replica may still
+    /// run the window if the claim survives.
+    async fn never_started(&self, held: &mut HeldLock, claim: &ClaimRequest<'_>) {
+        let config = self.config;
+        let exit = RunExit {
+            code: Outcome::Unavailable.exit_code(config.held_exit_code, &config.exit_code_map),
+            started: false,
+        };
+        if let Err(e) = held.record_end(claim, exit).await {
+            warn!(event = "run_end_unrecorded", window = claim.window.index, error = %e, "cannot mark the unkept claim as never started");
         }
     }
 
@@ -396,7 +441,7 @@ impl Guard<'_> {
                 decided!(info, "window skipped: a run of an earlier window held the lock when it started")
             }
             WindowOutcome::UnavailableSkipped => {
-                decided!(error, "backend unavailable; the window is not run (--if-unavailable skip)")
+                decided!(error, "backend unavailable, or it could not keep the claim; the window is not run")
             }
             WindowOutcome::UnavailableRan => decided!(
                 warn,
@@ -455,3 +500,25 @@ const MAX_LOOKS: u32 = 20;
 const LOOK_PAUSE: Duration = Duration::from_millis(100);
 /// How soon an unreachable backend is asked for its clock again.
 const UNAVAILABLE_RETRY: Duration = Duration::from_secs(1);
+
+/// Where the scheduler is.
+struct Progress {
+    /// The last window decided here, by the backend's numbering.
+    decided: Option<i64>,
+    /// The last window decided by this host's clock while the backend could not be asked (never
+    /// tried again either).
+    decided_locally: Option<i64>,
+    /// How often the current window's attempt came back empty-handed, and for which window.
+    attempts: (Option<i64>, u32),
+    /// No window has been looked at yet.
+    first: bool,
+}
+
+/// What one look at the clock led to.
+enum Step {
+    /// The window was tried (`None`: numbered by this host's clock, the backend's being unknown).
+    Tried(Option<Window>, Tried),
+    /// Nothing to try before this long.
+    Nap(Duration),
+    Stopped(Outcome),
+}

@@ -5,7 +5,7 @@ use nix::sys::signal::Signal;
 use tokio::sync::watch;
 use tracing::{error, info, info_span, warn, Instrument};
 
-use crate::backend::{ClaimRequest, HeldLock, LockLoss};
+use crate::backend::{ClaimRequest, HeldLock, LockLoss, ServingLock};
 use crate::config::Config;
 use crate::deadline::{AsyncBootTimer, Deadline};
 use crate::handoff::Farewell;
@@ -19,7 +19,9 @@ use crate::vocab::{
 use crate::window::RunExit;
 
 use super::health::{CheckEnd, Health, Verdict};
-use super::{at, command_outcome, lost, next_deadline, AppGone, Finished, Guard, HIDDEN_FROM_APP};
+use super::{
+    at, command_outcome, lost, next_app_deadline, AppGone, Finished, Guard, HIDDEN_FROM_APP,
+};
 
 impl Guard<'_> {
     /// Runs the app under `held` (or unguarded) until it ends or must stop; `window`, for a scheduled
@@ -30,34 +32,14 @@ impl Guard<'_> {
         signals: &mut SignalEvents,
         window: Option<&ClaimRequest<'_>>,
     ) -> Finished {
-        let config = self.config;
-        let mut set = vec![
-            (ENV_NAME, config.name.to_string()),
-            (ENV_BACKEND, self.backend.to_owned()),
-            (ENV_HOLDER_ID, self.holder.id.clone()),
-        ];
-        // Without a socket of its own, the app must not ask one it inherited (a guard's app that
-        // runs a guard) about another lock.
-        let mut remove = HIDDEN_FROM_APP.to_vec();
-        match &self.app_socket {
-            Some(path) => set.push((ENV_SOCKET, path.display().to_string())),
-            None => remove.push(ENV_SOCKET),
-        }
-        set.extend(held.iter().flat_map(HeldLock::app_env));
-        if let Some(run) = window {
-            set.push((ENV_WINDOW, run.window.index.to_string()));
-            set.push((ENV_WINDOW_START, run.window.start_rfc3339()));
-        }
+        let (set, remove) = self.app_env(held.as_ref(), window);
         let env = AppEnv {
             remove: &remove,
             set,
         };
-        let mut app_deadline = held.as_ref().and_then(HeldLock::app_deadline);
-        let lock_deadline = |rx: &Option<watch::Receiver<Deadline>>| {
-            rx.as_ref().map_or(Deadline::NEVER, |rx| *rx.borrow())
-        };
+        let app_deadlines = held.as_ref().and_then(HeldLock::app_deadline);
         // Made before the app starts: a guard that cannot time its lock must not run it.
-        let mut deadline_timer = match AsyncBootTimer::new(lock_deadline(&app_deadline)) {
+        let deadline_timer = match AsyncBootTimer::new(app_deadline_now(&app_deadlines)) {
             Ok(timer) => timer,
             Err(e) => {
                 error!(event = "setup_failed", error = %e, "cannot create the lock's deadline timer; the app was not started");
@@ -65,69 +47,14 @@ impl Guard<'_> {
                 return Outcome::Internal.into();
             }
         };
-        if let Some(loss) = held.as_ref().and_then(HeldLock::known_lost) {
-            self.metrics.lock_lost(loss.reason);
-            error!(event = "lock_lost", reason = %loss.reason, detail = %loss.detail, "lock lost before the app was started; the app was not started");
-            return Finished::LockLost(AppGone::NeverStarted);
-        }
-        // Said before the app can ask: it is told "held" from its first question on.
-        match &held {
-            Some(lock) => self.vouching.held(lock, config.timings.grace_period),
-            None => self.vouching.unguarded(),
-        }
-        let started = {
-            let farewell = match &held {
-                Some(lock) => lock.farewell(),
-                None => Farewell::none(),
-            };
-            Supervisor::start(
-                &config.command,
-                &env,
-                config.forward_to,
-                (config.stop_signal, config.timings.grace_period),
-                &farewell,
-                app_deadline.as_ref().map(|_| lock_deadline(&app_deadline)),
-            )
+        let mut app = match self
+            .start_app(&mut held, &env, &app_deadlines, window)
             .await
-        };
-        if started.is_err() {
-            self.vouching.not_held("the app was not started");
-        }
-        let mut app = match started {
+        {
             Ok(app) => app,
-            Err(StartError::DeadlinePassed) => {
-                // Not ours to give back: dropping the lock closes what is left of it.
-                self.metrics.lock_lost(LossReason::DeadlinePassed);
-                error!(event = "lock_lost", reason = %LossReason::DeadlinePassed, detail = "the lock's deadline passed before the command could run", "lock lost before the app was started; the app was not started");
-                return Finished::LockLost(AppGone::NeverStarted);
-            }
-            Err(e) => {
-                error!(event = "app_start_failed", error = %e, "app not started");
-                let outcome = match e {
-                    StartError::Spawn(e) => command_outcome(&e),
-                    StartError::Setup(_)
-                    | StartError::Watchdog(_)
-                    | StartError::DeadlinePassed
-                    | StartError::CgroupJoin(_) => Outcome::Internal,
-                };
-                // A claimed window whose command never ran says so in its record, under the lock
-                // while it is still known to be ours.
-                let ours = held
-                    .as_ref()
-                    .is_some_and(|lock| lock.known_lost().is_none());
-                if let (Some(run), Some(lock), true) = (window, held.as_mut(), ours) {
-                    let exit = RunExit {
-                        code: outcome.exit_code(config.held_exit_code, &config.exit_code_map),
-                        started: false,
-                    };
-                    if let Err(e) = lock.record_end(run, exit).await {
-                        warn!(event = "run_end_unrecorded", window = run.window.index, error = %e, "cannot record that the window's command did not start");
-                    }
-                }
-                self.release_unused(held).await;
-                return outcome.into();
-            }
+            Err(finished) => return finished,
         };
+        let mut held = held.map(HeldLock::serving);
         // Each app has its own span, so no line of a later acquisition (with --rejoin) names it.
         let app_span = info_span!(
             "app",
@@ -139,112 +66,253 @@ impl Guard<'_> {
             notify::ready(&match held {
                 Some(_) => format!(
                     "running: lock {} held by this guard ({}), app pid {}",
-                    config.name,
+                    self.config.name,
                     self.holder.id,
                     app.app_pid()
                 ),
                 None => format!("running unguarded (no lock), app pid {}", app.app_pid()),
             });
-            let max_runtime_at = config.max_runtime.map(Deadline::after);
-            let mut kill_at: Option<Deadline> = None;
-            let mut health = config
-                .health
-                .as_ref()
-                .map(|check| Health::new(check, Deadline::now()));
-            let ending = loop {
-                let next_check = health.as_ref().and_then(Health::next_check);
-                let check_kill_at = health.as_ref().and_then(Health::kill_at);
-                tokio::select! {
-                    // The lock's deadline first: after a freeze, a passed deadline is acted on before any
-                    // later one, or any other event, is read.
-                    biased;
-                    () = deadline_timer.fired() => break Ending::Lost(LockLoss {
-                        reason: LossReason::DeadlinePassed,
-                        detail: "ownership was not proven again before the lock's deadline".to_owned(),
-                    }),
-                    dead_by = next_deadline(&mut app_deadline) => {
-                        app.lock_deadline(dead_by);
-                        if let Err(e) = deadline_timer.arm(dead_by) {
-                            // The watchdog still holds the deadline; the next proof re-arms the timer.
-                            warn!(event = "timer_failed", error = %e, "cannot re-arm the lock's deadline timer");
-                        }
-                    }
-                    event = app.next_event() => match event {
-                        Event::AppExited(status) => break Ending::AppExited(status),
-                        Event::WatchdogEnded { acted: true } => break Ending::Lost(LockLoss {
-                            reason: LossReason::GuardFrozen,
-                            detail: "the watchdog stopped the app while the guard was unresponsive".to_owned(),
-                        }),
-                        Event::WatchdogEnded { acted: false } => break Ending::Lost(LockLoss {
-                            reason: LossReason::WatchdogDied,
-                            detail: "the watchdog process exited; the app may not run without it".to_owned(),
-                        }),
-                        Event::HealthCheckEnded(status) => {
-                            // What the check left behind goes with it.
-                            app.end_health_check();
-                            if let Some(health) = health.as_mut() {
-                                let end = if status == AppStatus::Exited(0) { CheckEnd::Passed } else { CheckEnd::Failed };
-                                let verdict = health.ended(end, Deadline::now());
-                                if let Some(ending) = self.health_said(health, verdict, &status.to_string()) {
-                                    break ending;
-                                }
-                            }
-                        }
-                    },
-                    loss = lost(&mut held) => break Ending::Lost(loss),
-                    signal = signals.next() => {
-                        app.forward(signal);
-                        if is_shutdown(signal) && kill_at.is_none() {
-                            self.stop_requested.set(true);
-                            // A stop asked for is not undone by a check: none runs from here on.
-                            app.kill_health_check();
-                            health = None;
-                            kill_at = Some(Deadline::after(config.timings.grace_period));
-                            notify::stopping(&format!("stopping: {} forwarded to the app", signal_name(signal)));
-                        }
-                    }
-                    () = at(kill_at) => {
-                        app.kill_all();
-                        warn!(event = "killing_app", grace = %crate::vocab::show_duration(config.timings.grace_period), "app still running after the grace period; sent SIGKILL");
-                        kill_at = None;
-                    }
-                    () = at(max_runtime_at) => break Ending::MaxRuntime,
-                    () = at(next_check) => {
-                        let (Some(health), Some(check)) = (health.as_mut(), config.health.as_ref()) else { continue };
-                        let (verdict, how) = if health.running() {
-                            (health.lingers(Deadline::now()), "killed at its timeout, and still not ended".to_owned())
-                        } else {
-                            match app.start_health_check(&check.command, &env) {
-                                Ok(_) => {
-                                    // Timed from its exec, not from before the fork.
-                                    health.started(Deadline::now());
-                                    continue;
-                                }
-                                Err(e) => (health.ended(CheckEnd::Failed, Deadline::now()), format!("could not start: {e}")),
-                            }
-                        };
-                        if let Some(ending) = self.health_said(health, verdict, &how) {
-                            break ending;
-                        }
-                    }
-                    () = at(check_kill_at) => {
-                        let Some(health) = health.as_mut() else { continue };
-                        // Kill first, count after.
-                        app.kill_health_check();
-                        let verdict = health.timed_out(Deadline::now());
-                        let how = format!("still running after {}; killed", crate::vocab::show_duration(health.timeout()));
-                        if let Some(ending) = self.health_said(health, verdict, &how) {
-                            break ending;
-                        }
-                    }
-                }
+            let mut watch = Watch {
+                deadline_timer,
+                app_deadlines,
+                kill_at: None,
+                max_runtime_at: self.config.max_runtime.map(Deadline::after),
+                health: self
+                    .config
+                    .health
+                    .as_ref()
+                    .map(|check| Health::new(check, Deadline::now())),
             };
-            let last_deadline = lock_deadline(&app_deadline);
-            self.finish(app, held, ending, last_deadline, kill_at, window)
+            let ending = self
+                .until_ending(&mut watch, &mut app, &mut held, signals, &env)
+                .await;
+            let app_deadline = app_deadline_now(&watch.app_deadlines);
+            self.finish(app, held, ending, app_deadline, watch.kill_at, window)
                 .await
         }
         .instrument(app_span)
         .await
+    }
+
+    /// The app's environment: what the guard sets, and what it removes.
+    fn app_env(
+        &self,
+        held: Option<&HeldLock>,
+        window: Option<&ClaimRequest<'_>>,
+    ) -> (Vec<(&'static str, String)>, Vec<&'static str>) {
+        let mut set = vec![
+            (ENV_NAME, self.config.name.to_string()),
+            (ENV_BACKEND, self.backend.to_owned()),
+            (ENV_HOLDER_ID, self.holder.id.clone()),
+        ];
+        // Without a socket of its own, the app must not ask one it inherited (a guard's app that
+        // runs a guard) about another lock.
+        let mut remove = HIDDEN_FROM_APP.to_vec();
+        match &self.app_socket {
+            Some(path) => set.push((ENV_SOCKET, path.display().to_string())),
+            None => remove.push(ENV_SOCKET),
+        }
+        set.extend(held.into_iter().flat_map(HeldLock::app_env));
+        if let Some(run) = window {
+            set.push((ENV_WINDOW, run.window.index.to_string()));
+            set.push((ENV_WINDOW_START, run.window.start_rfc3339()));
+        }
+        (set, remove)
+    }
+
+    /// Starts the app under `held`, unless the lock is already known lost or its deadline passed;
+    /// without an app, how the run ended (the lock given back if it was not lost).
+    async fn start_app(
+        &self,
+        held: &mut Option<HeldLock>,
+        env: &AppEnv<'_>,
+        app_deadlines: &Option<watch::Receiver<Deadline>>,
+        window: Option<&ClaimRequest<'_>>,
+    ) -> Result<Supervisor, Finished> {
+        let config = self.config;
+        if let Some(loss) = held.as_ref().and_then(HeldLock::known_lost) {
+            self.metrics.lock_lost(loss.reason);
+            error!(event = "lock_lost", reason = %loss.reason, detail = %loss.detail, "lock lost before the app was started; the app was not started");
+            return Err(Finished::LockLost(AppGone::NeverStarted));
+        }
+        // Said before the app can ask: it is told "held" from its first question on.
+        match held.as_ref() {
+            Some(lock) => self.vouching.held(lock, config.timings.grace_period),
+            None => self.vouching.unguarded(),
+        }
+        let started = {
+            let farewell = match held.as_ref() {
+                Some(lock) => lock.farewell(),
+                None => Farewell::none(),
+            };
+            Supervisor::start(
+                &config.command,
+                env,
+                config.forward_to,
+                (config.stop_signal, config.timings.grace_period),
+                &farewell,
+                app_deadlines
+                    .as_ref()
+                    .map(|_| app_deadline_now(app_deadlines)),
+            )
+            .await
+        };
+        let e = match started {
+            Ok(app) => return Ok(app),
+            Err(e) => e,
+        };
+        self.vouching.not_held("the app was not started");
+        if let StartError::DeadlinePassed = e {
+            // Not ours to give back: dropping the lock closes what is left of it.
+            self.metrics.lock_lost(LossReason::DeadlinePassed);
+            error!(event = "lock_lost", reason = %LossReason::DeadlinePassed, detail = "the lock's deadline passed before the command could run", "lock lost before the app was started; the app was not started");
+            return Err(Finished::LockLost(AppGone::NeverStarted));
+        }
+        error!(event = "app_start_failed", error = %e, "app not started");
+        let outcome = match e {
+            StartError::Spawn(e) => command_outcome(&e),
+            StartError::Setup(_)
+            | StartError::Watchdog(_)
+            | StartError::DeadlinePassed
+            | StartError::CgroupJoin(_) => Outcome::Internal,
+        };
+        // A claimed window whose command never ran says so in its record, under the lock while it
+        // is still known to be ours.
+        let ours = held
+            .as_ref()
+            .is_some_and(|lock| lock.known_lost().is_none());
+        if let (Some(run), Some(lock), true) = (window, held.as_mut(), ours) {
+            let exit = RunExit {
+                code: outcome.exit_code(config.held_exit_code, &config.exit_code_map),
+                started: false,
+            };
+            if let Err(e) = lock.record_end(run, exit).await {
+                warn!(event = "run_end_unrecorded", window = run.window.index, error = %e, "cannot record that the window's command did not start");
+            }
+        }
+        self.release_unused(held.take()).await;
+        Err(outcome.into())
+    }
+
+    /// Waits for what ends the app's run: its exit, a lost lock or passed deadline, the max
+    /// runtime, an unhealthy verdict. Meanwhile it forwards signals, moves the lock's deadline, runs
+    /// the health checks, and kills the app a grace period after a stop was asked for.
+    async fn until_ending(
+        &self,
+        watch: &mut Watch<'_>,
+        app: &mut Supervisor,
+        held: &mut Option<ServingLock>,
+        signals: &mut SignalEvents,
+        env: &AppEnv<'_>,
+    ) -> Ending {
+        let config = self.config;
+        loop {
+            let next_check = watch.health.as_ref().and_then(Health::next_check);
+            let check_kill_at = watch.health.as_ref().and_then(Health::kill_at);
+            tokio::select! {
+                // The lock's deadline first: after a freeze, a passed deadline is acted on before any
+                // later one, or any other event, is read.
+                biased;
+                () = watch.deadline_timer.fired() => break Ending::Lost(LockLoss {
+                    reason: LossReason::DeadlinePassed,
+                    detail: "ownership was not proven again before the lock's deadline".to_owned(),
+                }),
+                app_deadline = next_app_deadline(&mut watch.app_deadlines) => {
+                    app.move_app_deadline(app_deadline);
+                    if let Err(e) = watch.deadline_timer.arm(app_deadline) {
+                        // The watchdog still holds the deadline; the next proof re-arms the timer.
+                        warn!(event = "timer_failed", error = %e, "cannot re-arm the lock's deadline timer");
+                    }
+                }
+                event = app.next_event() => match event {
+                    Event::AppExited(status) => break Ending::AppExited(status),
+                    Event::WatchdogEnded { acted: true } => break Ending::Lost(LockLoss {
+                        reason: LossReason::GuardFrozen,
+                        detail: "the watchdog stopped the app while the guard was unresponsive".to_owned(),
+                    }),
+                    Event::WatchdogEnded { acted: false } => break Ending::Lost(LockLoss {
+                        reason: LossReason::WatchdogDied,
+                        detail: "the watchdog process exited; the app may not run without it".to_owned(),
+                    }),
+                    Event::HealthCheckEnded(status) => {
+                        // What the check left behind goes with it.
+                        app.end_health_check();
+                        if let Some(health) = watch.health.as_mut() {
+                            let end = if status == AppStatus::Exited(0) { CheckEnd::Passed } else { CheckEnd::Failed };
+                            let verdict = health.ended(end, Deadline::now());
+                            if let Some(ending) = self.health_said(health, verdict, &status.to_string()) {
+                                break ending;
+                            }
+                        }
+                    }
+                },
+                loss = lost(held.as_deref_mut()) => break Ending::Lost(loss),
+                signal = signals.next() => {
+                    app.forward(signal);
+                    if is_shutdown(signal) && watch.kill_at.is_none() {
+                        // A stop asked for is not undone by a check: none runs from here on.
+                        app.kill_health_check();
+                        watch.health = None;
+                        watch.kill_at = Some(Deadline::after(config.timings.grace_period));
+                        notify::stopping(&format!("stopping: {} forwarded to the app", signal_name(signal)));
+                    }
+                }
+                () = at(watch.kill_at) => {
+                    app.kill_all();
+                    warn!(event = "killing_app", grace = %crate::vocab::show_duration(config.timings.grace_period), "app still running after the grace period; sent SIGKILL");
+                    watch.kill_at = None;
+                }
+                () = at(watch.max_runtime_at) => break Ending::MaxRuntime,
+                () = at(next_check) => {
+                    if let Some(ending) = self.health_check_due(watch, app, env) {
+                        break ending;
+                    }
+                }
+                () = at(check_kill_at) => {
+                    let Some(health) = watch.health.as_mut() else { continue };
+                    // Kill first, count after.
+                    app.kill_health_check();
+                    let verdict = health.timed_out(Deadline::now());
+                    let how = format!("still running after {}; killed", crate::vocab::show_duration(health.timeout()));
+                    if let Some(ending) = self.health_said(health, verdict, &how) {
+                        break ending;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The health check is due: started, unless the last one still lingers after its kill, or it
+    /// cannot be started (a failed check); the ending if that makes the app unhealthy.
+    fn health_check_due(
+        &self,
+        watch: &mut Watch<'_>,
+        app: &mut Supervisor,
+        env: &AppEnv<'_>,
+    ) -> Option<Ending> {
+        let (Some(health), Some(check)) = (watch.health.as_mut(), self.config.health.as_ref())
+        else {
+            return None;
+        };
+        let (verdict, how) = if health.running() {
+            (
+                health.lingers(Deadline::now()),
+                "killed at its timeout, and still not ended".to_owned(),
+            )
+        } else {
+            match app.start_health_check(&check.command, env) {
+                Ok(_) => {
+                    // Timed from its exec, not from before the fork.
+                    health.started(Deadline::now());
+                    return None;
+                }
+                Err(e) => (
+                    health.ended(CheckEnd::Failed, Deadline::now()),
+                    format!("could not start: {e}"),
+                ),
+            }
+        };
+        self.health_said(health, verdict, &how)
     }
 
     /// The one way out of supervision: stop the app's whole tree, then give the lock back if it is
@@ -252,9 +320,9 @@ impl Guard<'_> {
     pub(super) async fn finish(
         &self,
         mut app: Supervisor,
-        mut held: Option<HeldLock>,
+        mut held: Option<ServingLock>,
         ending: Ending,
-        lock_deadline: Deadline,
+        app_deadline: Deadline,
         kill_at: Option<Deadline>,
         window: Option<&ClaimRequest<'_>>,
     ) -> Finished {
@@ -270,27 +338,9 @@ impl Guard<'_> {
             {
                 (Signal::SIGKILL, Deadline::now())
             }
-            _ => (config.stop_signal, grace_ends.min(lock_deadline)),
+            _ => (config.stop_signal, grace_ends.min(app_deadline)),
         };
-        // Before the first signal: an app that asks from here on is told the lock is not held.
-        self.vouching.not_held(match &ending {
-            Ending::Lost(loss) => format!("the lock was lost ({})", loss.reason),
-            Ending::Unhealthy { .. } => {
-                "the app is unhealthy; the guard is stepping down".to_owned()
-            }
-            Ending::AppExited(_) | Ending::MaxRuntime => "the app is being stopped".to_owned(),
-        });
-        // Counted before teardown, so /leader turns 503 the moment the lock is gone or the app ends.
-        match &ending {
-            Ending::Lost(loss) => {
-                self.metrics.lock_lost(loss.reason);
-                if loss.reason != LossReason::WatchdogDied {
-                    app.lock_lost();
-                }
-            }
-            Ending::AppExited(status) => self.metrics.app_ended(Some(*status)),
-            Ending::MaxRuntime | Ending::Unhealthy { .. } => {}
-        }
+        self.tell_ending(&ending, &mut app);
         // Still ours unless lost: after a watchdog that died, the app may not run without it, but
         // the lock holds.
         let still_ours =
@@ -356,6 +406,29 @@ impl Guard<'_> {
             Outcome::LockLost => Finished::LockLost(AppGone::Stopped),
             Outcome::Unhealthy => Finished::SteppedDown,
             outcome => outcome.into(),
+        }
+    }
+
+    /// Before the first signal: the app's socket, the metrics and the watchdog learn how the run ends.
+    fn tell_ending(&self, ending: &Ending, app: &mut Supervisor) {
+        // Before the first signal: an app that asks from here on is told the lock is not held.
+        self.vouching.not_held(match ending {
+            Ending::Lost(loss) => format!("the lock was lost ({})", loss.reason),
+            Ending::Unhealthy { .. } => {
+                "the app is unhealthy; the guard is stepping down".to_owned()
+            }
+            Ending::AppExited(_) | Ending::MaxRuntime => "the app is being stopped".to_owned(),
+        });
+        // Counted before teardown, so /leader turns 503 the moment the lock is gone or the app ends.
+        match ending {
+            Ending::Lost(loss) => {
+                self.metrics.lock_lost(loss.reason);
+                if loss.reason != LossReason::WatchdogDied {
+                    app.lock_lost();
+                }
+            }
+            Ending::AppExited(status) => self.metrics.app_ended(Some(*status)),
+            Ending::MaxRuntime | Ending::Unhealthy { .. } => {}
         }
     }
 
@@ -457,4 +530,22 @@ pub(super) enum Ending {
         check: String,
         failures: u32,
     },
+}
+
+/// What supervision waits on besides the app, the lock and signals.
+struct Watch<'a> {
+    /// Fires at the app's deadline, re-armed at each proof of ownership.
+    deadline_timer: AsyncBootTimer,
+    /// The app's deadlines as the backend proves ownership again; none unguarded.
+    app_deadlines: Option<watch::Receiver<Deadline>>,
+    /// When the app is killed, a grace period after a stop was asked for.
+    kill_at: Option<Deadline>,
+    max_runtime_at: Option<Deadline>,
+    /// `--health-cmd`, until a stop is asked for.
+    health: Option<Health<'a>>,
+}
+
+/// The app's deadline now; never, unguarded.
+fn app_deadline_now(rx: &Option<watch::Receiver<Deadline>>) -> Deadline {
+    rx.as_ref().map_or(Deadline::NEVER, |rx| *rx.borrow())
 }

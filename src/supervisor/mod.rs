@@ -24,8 +24,8 @@ use crate::handoff::{Farewell, TreeGone};
 use crate::vocab::{signal_name, AppStatus};
 use cgroup::AppCgroup;
 pub use signals::{ends_wait, is_shutdown, on_parent_death, ParentWatch, SignalEvents};
-use spawn::NotStarted;
 pub use spawn::{raise_descriptor_limit, resolve, AppEnv, SpawnError};
+use spawn::{NotRun, NotStarted};
 pub use tree::proc_is_ours;
 use watchdog::{Message, Watchdog};
 
@@ -126,7 +126,7 @@ impl ChecksCgroups {
 impl Supervisor {
     /// Spawns the watchdog, then the app, which tells the watchdog its group before it runs the
     /// command; `stop_signal` and `grace` are what the watchdog uses if it ever has to stop the app
-    /// itself, `farewell` what it does for the lock if the guard dies, `dead_by` by when the app
+    /// itself, `farewell` what it does for the lock if the guard dies, `app_deadline` by when the app
     /// must be dead unless ownership is proven again (none: no lock).
     pub async fn start(
         command: &[std::ffi::OsString],
@@ -134,7 +134,7 @@ impl Supervisor {
         forward_to: ForwardTo,
         stop: (Signal, Duration),
         farewell: &Farewell<'_>,
-        dead_by: Option<Deadline>,
+        app_deadline: Option<Deadline>,
     ) -> Result<Supervisor, StartError> {
         let mut reaper = reaper::Reaper::register().map_err(StartError::Setup)?;
         let (cgroup, entry) = app_cgroup().unzip();
@@ -152,47 +152,44 @@ impl Supervisor {
         reaper.track_watchdog(watchdog.pid());
         // The deadline goes first, before the app is forked: a guard frozen from here on is already
         // backed by the watchdog, which acts on a passed deadline whatever else it has heard.
-        if let Some(dead_by) = dead_by {
-            watchdog.send(Message::LockDeadline(dead_by));
+        if let Some(app_deadline) = app_deadline {
+            watchdog.send(Message::AppDeadline(app_deadline));
         }
-        let not_after = dead_by.unwrap_or(Deadline::NEVER);
+        let not_after = app_deadline.unwrap_or(Deadline::NEVER);
         pause::at(pause::Point::BeforeFork);
         let app = match spawn::spawn(command, env, watchdog.app_link(), not_after, entry.as_ref()) {
             Ok(app) => {
                 pause::at(pause::Point::AfterSpawn);
                 app
             }
-            Err(not_started) => {
+            Err(NotRun {
+                why: not_started,
+                process,
+            }) => {
                 // Which side refused: the app's process on its own clock, or the watchdog by
                 // ending first (told apart for the tests of the window before the fork).
                 let noticed_by = match not_started {
                     NotStarted::WatchdogGone => "watchdog",
                     _ => "app_process",
                 };
-                let error = match not_started {
-                    NotStarted::Command(e) => StartError::Spawn(e),
-                    NotStarted::DeadlinePassed => StartError::DeadlinePassed,
-                    NotStarted::CgroupJoin => StartError::CgroupJoin(
-                        cgroup
-                            .as_ref()
-                            .map(|c| c.dir().display().to_string())
-                            .unwrap_or_default(),
-                    ),
-                    // A watchdog that acted on the passed deadline before the app's process could
-                    // tell it its group: the same refusal, seen from the other side.
-                    NotStarted::WatchdogGone if not_after.has_passed() => {
-                        StartError::DeadlinePassed
-                    }
-                    NotStarted::WatchdogGone => StartError::Watchdog(watchdog.exec_error()),
-                };
-                // A command whose exec failed had told the watchdog its group, and `spawn` has
-                // reaped it already, so the stand-down follows at once. (A guard killed in between would
-                // leave the watchdog signalling that number: pids are handed out in rising order
-                // and come round again only after the whole range, so within the microseconds of
-                // this window it names no other process.)
+                let mut error = start_error(not_started, cgroup.as_ref(), &mut watchdog, not_after);
+                // The app's process may have told the watchdog its group: it is reaped only once the
+                // watchdog has exited, so that nothing the watchdog signals meanwhile is another's.
+                // Killed first (unreaped, its pid and group are still its own): whatever it was
+                // about to do, the wait for it below cannot hang.
+                if let Some(process) = process {
+                    reaper.track_app(process);
+                    let _ = killpg(process, Signal::SIGKILL);
+                    let _ = kill(process, Signal::SIGKILL);
+                }
                 watchdog.send(Message::StandDown);
                 debug!(event = "app_not_started", noticed_by, error = %error, "the command was not run; waiting for the watchdog to stand down");
-                await_watchdog(&mut reaper, &watchdog).await;
+                // A watchdog that acted found the deadline passed: the lock is lost, whatever else
+                // went wrong.
+                if await_watchdog(&mut reaper, &watchdog).await {
+                    error = StartError::DeadlinePassed;
+                }
+                reaper.reap_app();
                 if let Some(cgroup) = &cgroup {
                     cgroup.remove();
                 }
@@ -223,8 +220,8 @@ impl Supervisor {
     }
 
     /// Tells the watchdog by when the app must be dead should the guard freeze.
-    pub fn lock_deadline(&mut self, dead_by: Deadline) {
-        self.watchdog.send(Message::LockDeadline(dead_by));
+    pub fn move_app_deadline(&mut self, app_deadline: Deadline) {
+        self.watchdog.send(Message::AppDeadline(app_deadline));
     }
 
     /// Tells the watchdog the lock is no longer ours: nothing of it to free on the guard's death.
@@ -355,6 +352,28 @@ impl Supervisor {
     }
 }
 
+/// What a start the app's process refused (`why`) means to the guard.
+fn start_error(
+    why: NotStarted,
+    cgroup: Option<&AppCgroup>,
+    watchdog: &mut Watchdog,
+    not_after: Deadline,
+) -> StartError {
+    match why {
+        NotStarted::Command(e) => StartError::Spawn(e),
+        NotStarted::DeadlinePassed => StartError::DeadlinePassed,
+        NotStarted::CgroupJoin => StartError::CgroupJoin(
+            cgroup
+                .map(|c| c.dir().display().to_string())
+                .unwrap_or_default(),
+        ),
+        // A watchdog that acted on the passed deadline before the app's process could tell it its
+        // group: the same refusal, seen from the other side.
+        NotStarted::WatchdogGone if not_after.has_passed() => StartError::DeadlinePassed,
+        NotStarted::WatchdogGone => StartError::Watchdog(watchdog.exec_error()),
+    }
+}
+
 /// Waits for the stood-down watchdog to exit; returns whether it ever acted.
 async fn await_watchdog(reaper: &mut reaper::Reaper, watchdog: &Watchdog) -> bool {
     let until = Deadline::after(WATCHDOG_EXIT_WAIT);
@@ -433,7 +452,7 @@ async fn teardown(
         }
         if !logged {
             logged = true;
-            info!(event = "stopping_app", signal = %current, kill_in = %crate::vocab::show_duration(round(kill_by.remaining())), "stopping app process tree");
+            info!(event = "stopping_app", signal = %current, kill_in = %crate::vocab::show_duration(kill_by.remaining()), "stopping app process tree");
         }
         let sigkill_due = async {
             match kill_timer.as_mut() {
@@ -500,11 +519,6 @@ fn app_cgroup() -> Option<(AppCgroup, cgroup::Entry)> {
             None
         }
     }
-}
-
-/// Durations in logs, to the millisecond.
-fn round(d: Duration) -> Duration {
-    Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 #[derive(Debug, thiserror::Error)]

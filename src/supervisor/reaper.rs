@@ -106,7 +106,8 @@ impl Reaper {
         Ok(alive)
     }
 
-    /// Reaps the app's main process, which must have ended: the last step of a teardown.
+    /// Reaps the app's main process, which must have ended (or been SIGKILLed): the last step of a
+    /// teardown, or of a start whose process refused to run the command.
     pub fn reap_app(&mut self) {
         if let Some(app) = self.app.take() {
             if let Some(status) = wait(app, 0) {

@@ -59,6 +59,9 @@ pub fn ends_wait(signal: i32) -> bool {
 
 pub struct SignalEvents {
     received: mpsc::UnboundedReceiver<i32>,
+    /// A SIGTERM or SIGINT was read: the guard is asked to end once its app has stopped (a
+    /// scheduler starts no later run).
+    shutdown_asked: bool,
 }
 
 impl SignalEvents {
@@ -77,20 +80,34 @@ impl SignalEvents {
                 }
             });
         }
-        Ok(SignalEvents { received })
+        Ok(SignalEvents {
+            received,
+            shutdown_asked: false,
+        })
     }
 
     /// Signals that a test sends down the channel instead of the kernel.
     #[cfg(test)]
     pub fn from_test(received: mpsc::UnboundedReceiver<i32>) -> SignalEvents {
-        SignalEvents { received }
+        SignalEvents {
+            received,
+            shutdown_asked: false,
+        }
     }
 
     pub async fn next(&mut self) -> i32 {
         match self.received.recv().await {
-            Some(signal) => signal,
+            Some(signal) => {
+                self.shutdown_asked |= is_shutdown(signal);
+                signal
+            }
             None => std::future::pending().await,
         }
+    }
+
+    /// Whether a SIGTERM or SIGINT has been read.
+    pub fn shutdown_asked(&self) -> bool {
+        self.shutdown_asked
     }
 }
 

@@ -159,6 +159,20 @@ pub enum NotStarted {
     CgroupJoin,
 }
 
+/// Why the command was not run, and the app's process if one was forked. That process is left
+/// unreaped: the watchdog may have been told its group, and while the process is a zombie no other
+/// can take its pid, nor so its group's number.
+pub struct NotRun {
+    pub why: NotStarted,
+    pub process: Option<Pid>,
+}
+
+impl From<NotStarted> for NotRun {
+    fn from(why: NotStarted) -> NotRun {
+        NotRun { why, process: None }
+    }
+}
+
 /// The errno the app's process reports a failed link to the watchdog with. The command's own exec
 /// never fails with it (no pipe is written there), so it tells the two apart.
 const LINK_FAILED: i32 = libc::EPIPE;
@@ -193,8 +207,9 @@ pub struct AppEnv<'a> {
 
 /// Spawns the app and returns its pid, which is also its process group id. Before it executes the
 /// command, the app's process is in `cgroup` (if there is one), waits until the watchdog runs,
-/// writes its group down the watchdog's pipe, and reads the boot clock itself: past `dead_by` it does
-/// not run the command at all.
+/// writes its group down the watchdog's pipe, and reads the boot clock itself: past `app_deadline` it does
+/// not run the command at all. A process that refused comes back unreaped (`NotRun`): the caller
+/// reaps it once the watchdog has exited.
 ///
 /// Must run on the thread that lives as long as the guard: `PR_SET_PDEATHSIG` fires when the
 /// spawning *thread* exits, not the process.
@@ -202,9 +217,9 @@ pub fn spawn(
     command: &[OsString],
     env: &AppEnv<'_>,
     watchdog: AppLink,
-    dead_by: Deadline,
+    app_deadline: Deadline,
     cgroup: Option<&Entry>,
-) -> Result<Pid, NotStarted> {
+) -> Result<Pid, NotRun> {
     let (program, _) = command.split_first().expect("clap requires a command");
     let describe = || program.to_string_lossy().into_owned();
     let not_executable = |source| {
@@ -215,12 +230,10 @@ pub fn spawn(
     };
     let mut exec = Exec::prepare(command, env).map_err(not_executable)?;
     let setup = ChildSetup {
-        guard_pid: getpid(),
+        group: Group::of_this_guard(cgroup),
         take_foreground: owns_terminal_foreground(),
-        nofile: STARTING_NOFILE.get().copied(),
         watchdog,
-        dead_by,
-        procs: cgroup.map(|entry| entry.procs.as_raw_fd()),
+        app_deadline,
     };
     let (errors, error_pipe) =
         pipe2(OFlag::O_CLOEXEC).map_err(|e| not_executable(io::Error::from(e)))?;
@@ -237,11 +250,10 @@ pub fn spawn(
             match exec_errno(errors) {
                 None => Ok(pid),
                 Some(errno) => {
-                    // It exits at once after saying why: reaped here, as nothing else tracks it. A
-                    // failed exec comes after it took the terminal's foreground.
+                    // It exits at once after saying why. A failed exec comes after it took the
+                    // terminal's foreground.
                     reclaim_terminal(pid);
-                    let _ = waitpid(pid, None);
-                    Err(match errno {
+                    let why = match errno {
                         LINK_FAILED => NotStarted::WatchdogGone,
                         DEADLINE_PASSED => NotStarted::DeadlinePassed,
                         CGROUP_JOIN_FAILED => NotStarted::CgroupJoin,
@@ -249,11 +261,15 @@ pub fn spawn(
                             command: describe(),
                         }),
                         errno => not_executable(io::Error::from_raw_os_error(errno)),
+                    };
+                    Err(NotRun {
+                        why,
+                        process: Some(pid),
                     })
                 }
             }
         }
-        Err(e) => Err(not_executable(io::Error::from(e))),
+        Err(e) => Err(not_executable(io::Error::from(e)).into()),
     }
 }
 
@@ -269,9 +285,7 @@ pub fn spawn_helper(
 ) -> io::Result<Pid> {
     let mut exec = Exec::prepare(argv, env)?;
     let null = File::options().read(true).write(true).open("/dev/null")?;
-    let guard_pid = getpid();
-    let procs = cgroup.map(|entry| entry.procs.as_raw_fd());
-    let nofile = STARTING_NOFILE.get().copied();
+    let group = Group::of_this_guard(cgroup);
     let (errors, error_pipe) = pipe2(OFlag::O_CLOEXEC)?;
     let born_into = cgroup.and_then(|entry| entry.dir.as_ref());
     // SAFETY: as for the app: the child only makes async-signal-safe calls on memory prepared
@@ -279,15 +293,8 @@ pub fn spawn_helper(
     match unsafe { fork_into(born_into) }? {
         (None, joined) => {
             let setup = || -> io::Result<()> {
-                if let Some((soft, hard)) = nofile {
-                    setrlimit(Resource::RLIMIT_NOFILE, soft, hard)?;
-                }
-                setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
-                prctl::set_pdeathsig(Signal::SIGKILL)?;
-                if getppid() != guard_pid {
-                    let _ = kill(own_pid(), Signal::SIGKILL);
-                }
-                if let Some(procs) = procs.filter(|_| !joined) {
+                group.enter()?;
+                if let Some(procs) = group.procs.filter(|_| !joined) {
                     join_cgroup(procs)?;
                 }
                 for fd in 0..3 {
@@ -299,16 +306,8 @@ pub fn spawn_helper(
                 sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
                 Ok(())
             };
-            let errno = match setup() {
-                Ok(()) => exec.run(),
-                Err(e) => e.raw_os_error().unwrap_or(libc::EINVAL),
-            };
-            let bytes = errno.to_ne_bytes();
-            // SAFETY: write(2) of a stack buffer, then _exit(2), as for the app.
-            unsafe {
-                libc::write(error_pipe.as_raw_fd(), bytes.as_ptr().cast(), bytes.len());
-                libc::_exit(127)
-            }
+            // SAFETY: in the child of `fork_into`.
+            unsafe { exec_or_report(setup(), &mut exec, error_pipe.as_raw_fd()) }
         }
         (Some(pid), _) => {
             drop(error_pipe);
@@ -391,12 +390,43 @@ struct CloneArgs {
 
 /// What the child needs, read before the fork.
 struct ChildSetup {
-    guard_pid: Pid,
+    group: Group,
     take_foreground: bool,
-    nofile: Option<(rlim_t, rlim_t)>,
     watchdog: AppLink,
-    dead_by: Deadline,
+    app_deadline: Deadline,
+}
+
+/// What a child of the guard (the app, a helper) needs to enter its own process group, tied to the
+/// guard's life, in the app's cgroup.
+struct Group {
+    guard_pid: Pid,
+    nofile: Option<(rlim_t, rlim_t)>,
     procs: Option<RawFd>,
+}
+
+impl Group {
+    fn of_this_guard(cgroup: Option<&Entry>) -> Group {
+        Group {
+            guard_pid: getpid(),
+            nofile: STARTING_NOFILE.get().copied(),
+            procs: cgroup.map(|entry| entry.procs.as_raw_fd()),
+        }
+    }
+
+    /// In the child: the guard's starting descriptor limit, a process group of its own (so one
+    /// signal reaches it and everything it forks), SIGKILL at the guard's death. Async-signal-safe.
+    fn enter(&self) -> io::Result<()> {
+        if let Some((soft, hard)) = self.nofile {
+            setrlimit(Resource::RLIMIT_NOFILE, soft, hard)?;
+        }
+        setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
+        prctl::set_pdeathsig(Signal::SIGKILL)?;
+        // The guard may have died between fork and prctl; then no death signal will ever come.
+        if getppid() != self.guard_pid {
+            let _ = kill(own_pid(), Signal::SIGKILL);
+        }
+        Ok(())
+    }
 }
 
 /// The app's process after the fork: set up, then the command, or its errno down `error_pipe` and
@@ -405,7 +435,16 @@ struct ChildSetup {
 /// # Safety
 /// Only in the child of `fork_into`.
 unsafe fn run_child(setup: &ChildSetup, joined: bool, exec: &mut Exec, error_pipe: RawFd) -> ! {
-    let errno = match prepare_child(setup, joined) {
+    // SAFETY: in the child of `fork_into`, as this function is.
+    unsafe { exec_or_report(prepare_child(setup, joined), exec, error_pipe) }
+}
+
+/// In a child set up as `prepared` says: the command, or its errno down `error_pipe` and exit.
+///
+/// # Safety
+/// Only in the child of `fork_into`.
+unsafe fn exec_or_report(prepared: io::Result<()>, exec: &mut Exec, error_pipe: RawFd) -> ! {
+    let errno = match prepared {
         Ok(()) => exec.run(),
         Err(e) => e.raw_os_error().unwrap_or(libc::EINVAL),
     };
@@ -568,26 +607,16 @@ fn owns_terminal_foreground() -> bool {
 }
 
 fn prepare_child(setup: &ChildSetup, joined: bool) -> io::Result<()> {
-    if let Some((soft, hard)) = setup.nofile {
-        setrlimit(Resource::RLIMIT_NOFILE, soft, hard)?;
-    }
-    // Its own group, so one signal reaches the app and everything it forks.
-    setpgid(Pid::from_raw(0), Pid::from_raw(0))?;
-    prctl::set_pdeathsig(Signal::SIGKILL)?;
-    // The guard may have died between fork and prctl; then no death signal will ever come.
-    if getppid() != setup.guard_pid {
-        let _ = kill(own_pid(), Signal::SIGKILL);
-    }
+    setup.group.enter()?;
     // Into the app's cgroup before anything of the app can fork, so nothing it ever forks is
     // outside. "0" is the writing process itself.
-    if let Some(procs) = setup.procs.filter(|_| !joined) {
+    if let Some(procs) = setup.group.procs.filter(|_| !joined) {
         join_cgroup(procs).map_err(|_| io::Error::from_raw_os_error(CGROUP_JOIN_FAILED))?;
     }
     await_watchdog_exec(setup.watchdog.exec_status)
         .map_err(|_| io::Error::from_raw_os_error(LINK_FAILED))?;
-    // Passed already: the watchdog is not told a group whose process will not run the command
-    // (std reaps it, and the number is free for another process).
-    if setup.dead_by.has_passed() {
+    // Passed already: the watchdog is not told a group whose process will not run the command.
+    if setup.app_deadline.has_passed() {
         return Err(io::Error::from_raw_os_error(DEADLINE_PASSED));
     }
     tell_watchdog(setup.watchdog.pipe).map_err(|_| io::Error::from_raw_os_error(LINK_FAILED))?;
@@ -595,7 +624,7 @@ fn prepare_child(setup: &ChildSetup, joined: bool) -> io::Result<()> {
     // read the group in time and kills this process, or exited before it, and then the clock read
     // here, later still, has passed the deadline too. (The watchdog's deadline is never earlier
     // than this one: it only moves later as proofs come.)
-    if setup.dead_by.has_passed() {
+    if setup.app_deadline.has_passed() {
         return Err(io::Error::from_raw_os_error(DEADLINE_PASSED));
     }
     if setup.take_foreground {

@@ -31,7 +31,6 @@ use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 use std::time::Duration;
 
 use nix::errno::Errno;
@@ -48,6 +47,12 @@ use super::cgroup::AppCgroup;
 use crate::deadline::{BootTimer, Deadline};
 use crate::handoff::Farewell;
 use crate::vocab::{AppStatus, LossReason, ENV_BACKEND, ENV_HOLDER_ID, ENV_NAME};
+
+mod exec;
+mod protocol;
+use exec::{c_strings, env_entry, exec_watchdog, ignored_signals, pointers, ExecPlan};
+pub use protocol::Message;
+use protocol::{decode_handover, encode_handover, Action, Switch, MESSAGE_LEN};
 
 /// The fd on which the watchdog reads the guard's messages.
 const MESSAGE_FD: RawFd = 3;
@@ -72,196 +77,8 @@ const GROUP_GONE_RECHECK: Duration = Duration::from_millis(100);
 /// After this long with app processes surviving SIGKILL, the watchdog says so (and keeps waiting).
 const GROUP_GONE_WARN: Duration = Duration::from_secs(2);
 
-/// What the guard tells its watchdog after the hand-over.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Message {
-    /// The app's process group: sent by the app's process itself before it executes the command, so
-    /// the watchdog knows it before anything of the app can run.
-    AppGroup(Pid),
-    /// The lock was proven: the app must be dead by this moment if nothing more is heard.
-    LockDeadline(Deadline),
-    /// The guard is stopping the app itself: SIGKILL the group at this moment if it still lives.
-    KillBy(Deadline),
-    /// The lock is no longer ours: nothing of it is to be ended or closed on the guard's death.
-    LockLost,
-    /// The app's tree is gone: exit without acting.
-    StandDown,
-}
-
-const MESSAGE_LEN: usize = 9;
-
-impl Message {
-    /// Allocates nothing: the app's process encodes its group between fork and exec.
-    pub fn encode(self) -> [u8; MESSAGE_LEN] {
-        let (tag, at) = match self {
-            Message::AppGroup(group) => (5, u64::from(group.as_raw().unsigned_abs())),
-            Message::LockDeadline(at) => (1, at.as_nanos()),
-            Message::KillBy(at) => (2, at.as_nanos()),
-            Message::LockLost => (3, 0),
-            Message::StandDown => (4, 0),
-        };
-        let mut bytes = [0u8; MESSAGE_LEN];
-        bytes[0] = tag;
-        bytes[1..].copy_from_slice(&at.to_le_bytes());
-        bytes
-    }
-
-    fn decode(bytes: [u8; MESSAGE_LEN]) -> Option<Message> {
-        let mut at = [0u8; 8];
-        at.copy_from_slice(&bytes[1..]);
-        let at = Deadline::from_nanos(u64::from_le_bytes(at));
-        match bytes[0] {
-            1 => Some(Message::LockDeadline(at)),
-            2 => Some(Message::KillBy(at)),
-            3 => Some(Message::LockLost),
-            4 => Some(Message::StandDown),
-            5 => i32::try_from(at.as_nanos())
-                .ok()
-                .filter(|group| *group > 1)
-                .map(|group| Message::AppGroup(Pid::from_raw(group))),
-            _ => None,
-        }
-    }
-}
-
-/// What the watchdog must do to the app's group now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Action {
-    Nothing,
-    /// Send the stop signal: the guard is silent and the deadline is within the grace period.
-    Stop,
-    /// SIGKILL the group: its deadline has come.
-    Kill,
-}
-
-/// The watchdog's decisions, free of I/O so every transition can be tested.
-#[derive(Debug)]
-struct Switch {
-    /// By when the app must be dead; `NEVER` while there is nothing to run out.
-    dead_by: Deadline,
-    grace: Duration,
-    /// The guard is tearing down, or the watchdog has sent the stop signal itself: no stop signal
-    /// (again), and the deadline no longer moves later.
-    stopping: bool,
-    /// The guard is tearing down: a kill at the deadline backs up a guard that is still working,
-    /// not one that froze, so the watchdog stays for the stand-down.
-    teardown: bool,
-    /// Whether the lock is still ours to say farewell to on the guard's death.
-    farewell: bool,
-}
-
-impl Switch {
-    fn new(grace: Duration) -> Switch {
-        Switch {
-            dead_by: Deadline::NEVER,
-            grace,
-            stopping: false,
-            teardown: false,
-            farewell: true,
-        }
-    }
-
-    /// When the watchdog sends the stop signal of a silent guard.
-    fn stop_at(&self) -> Deadline {
-        (self.dead_by.minus(self.grace) + SLACK).min(self.dead_by)
-    }
-
-    /// What is due at `now`. Checked after every wake-up, before any message is read.
-    fn due(&self, now: Deadline) -> Action {
-        if self.dead_by == Deadline::NEVER {
-            Action::Nothing
-        } else if now >= self.dead_by {
-            Action::Kill
-        } else if !self.stopping && now >= self.stop_at() {
-            Action::Stop
-        } else {
-            Action::Nothing
-        }
-    }
-
-    /// When `due` next changes with no message.
-    fn next_wake(&self) -> Deadline {
-        if self.stopping {
-            self.dead_by
-        } else {
-            self.stop_at()
-        }
-    }
-
-    fn stop_sent(&mut self) {
-        self.stopping = true;
-    }
-
-    /// The group was SIGKILLed during the guard's teardown: nothing more is due.
-    fn killed_in_teardown(&mut self) {
-        self.dead_by = Deadline::NEVER;
-    }
-
-    /// Applies a message received at `now`. A deadline that has passed is final, and so is one the
-    /// app is already being stopped for: neither is ever replaced by a later one.
-    fn apply(&mut self, message: Message, now: Deadline) {
-        let passed = self.dead_by != Deadline::NEVER && now >= self.dead_by;
-        match message {
-            Message::LockDeadline(at) if !passed && !self.stopping => self.dead_by = at,
-            Message::LockDeadline(_) => {}
-            Message::KillBy(at) if !passed => {
-                self.stopping = true;
-                self.teardown = true;
-                self.dead_by = self.dead_by.min(at);
-            }
-            Message::KillBy(_) => {}
-            Message::LockLost => self.farewell = false,
-            Message::AppGroup(_) | Message::StandDown => {}
-        }
-    }
-}
-
 /// Runs a backend's farewell message in the watchdog; returns what it did, for the log.
 pub type FarewellRunner = fn(&[u8]) -> Result<String, String>;
-
-/// The hand-over: the guard's pid, whether fd 4 is kept, the farewell message, and the app's cgroup
-/// directory (empty: none), each of the two length-prefixed.
-fn encode_handover(guard: Pid, farewell: &Farewell<'_>, cgroup: Option<&Path>) -> Vec<u8> {
-    let cgroup = cgroup.map_or(&[][..], |dir| dir.as_os_str().as_bytes());
-    let mut bytes = Vec::with_capacity(farewell.message.len() + cgroup.len() + 13);
-    bytes.extend_from_slice(&guard.as_raw().to_le_bytes());
-    bytes.push(u8::from(farewell.keep.is_some()));
-    for part in [&farewell.message[..], cgroup] {
-        let len = u32::try_from(part.len()).unwrap_or(u32::MAX);
-        bytes.extend_from_slice(&len.to_le_bytes());
-        bytes.extend_from_slice(&part[..len as usize]);
-    }
-    bytes
-}
-
-struct Handover {
-    guard: Pid,
-    keeps_fd: bool,
-    message: Vec<u8>,
-    cgroup: Option<PathBuf>,
-}
-
-fn decode_handover(pipe: &mut impl Read) -> io::Result<Handover> {
-    let mut guard = [0u8; 4];
-    pipe.read_exact(&mut guard)?;
-    let mut flag = [0u8; 1];
-    pipe.read_exact(&mut flag)?;
-    let mut part = || -> io::Result<Vec<u8>> {
-        let mut len = [0u8; 4];
-        pipe.read_exact(&mut len)?;
-        let mut bytes = vec![0u8; u32::from_le_bytes(len) as usize];
-        pipe.read_exact(&mut bytes)?;
-        Ok(bytes)
-    };
-    let message = part()?;
-    let cgroup = part()?;
-    Ok(Handover {
-        guard: Pid::from_raw(i32::from_le_bytes(guard)),
-        keeps_fd: flag[0] == 1,
-        message,
-        cgroup: (!cgroup.is_empty()).then(|| PathBuf::from(OsString::from_vec(cgroup))),
-    })
-}
 
 /// The guard's end: the watchdog's pid and the pipe that feeds it.
 pub struct Watchdog {
@@ -421,127 +238,17 @@ impl Watchdog {
     }
 }
 
-/// `key=value`, as exec takes an environment variable.
-fn env_entry(key: &[u8], value: &[u8]) -> Vec<u8> {
-    [key, b"=", value].concat()
-}
-
-/// NUL-terminated copies of `items`; an item with a NUL inside cannot be passed to exec.
-fn c_strings<T: Into<Vec<u8>>>(items: impl IntoIterator<Item = T>) -> io::Result<Vec<CString>> {
-    items
-        .into_iter()
-        .map(|item| CString::new(item).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e)))
-        .collect()
-}
-
-/// The NULL-terminated pointer array exec takes, borrowing `strings`.
-fn pointers(strings: &[CString]) -> Vec<*const libc::c_char> {
-    strings
-        .iter()
-        .map(|s| s.as_ptr())
-        .chain(std::iter::once(std::ptr::null()))
-        .collect()
-}
-
-/// What the watchdog's process does between fork and exec, all of it prepared before the fork.
-struct ExecPlan {
-    argv: Vec<*const libc::c_char>,
-    envp: Vec<*const libc::c_char>,
-    message: RawFd,
-    kept: Option<RawFd>,
-    dev_null: RawFd,
-    /// The write end of the exec-status pipe: an errno goes there if exec fails.
-    status: RawFd,
-}
-
-/// The forked watchdog's way to exec. Async-signal-safe: no allocation, no lock, raw system calls.
-fn exec_watchdog(plan: &ExecPlan) -> ! {
-    let mut status = plan.status;
-    let errno = match prepare_and_exec(plan, &mut status) {
-        Err(e) => e.raw_os_error().unwrap_or(libc::EIO),
-        Ok(never) => match never {},
-    };
-    let [a, b, c, d] = errno.to_le_bytes();
-    let twice = [a, b, c, d, a, b, c, d];
-    // SAFETY: write(2) of a stack buffer, then _exit(2): no unwinding, no atexit handlers.
-    unsafe {
-        libc::write(status, twice.as_ptr().cast(), twice.len());
-        libc::_exit(127)
+/// The watchdog's exit code when the command line after the program's name is its own
+/// (`__watchdog <stop-signal> <grace-ns>`, as `Watchdog::spawn` runs it); `None` for any other.
+pub fn main_if_asked(args: &[String], farewell: FarewellRunner) -> Option<u8> {
+    match args {
+        [command, args @ ..] if command == "__watchdog" => Some(main(args, farewell)),
+        _ => None,
     }
 }
 
-/// Sets the watchdog's process up and executes it; returns only with the reason it could not.
-/// `status` follows the status pipe's end as it is moved.
-fn prepare_and_exec(plan: &ExecPlan, status: &mut RawFd) -> io::Result<std::convert::Infallible> {
-    // Ignored before exec, and ignored dispositions survive exec: a signal sent to the guard's
-    // group while the watchdog starts up cannot kill it either.
-    for number in ignored_signals() {
-        // SAFETY: signal(2) installing SIG_IGN runs no handler code.
-        unsafe { libc::signal(number, libc::SIG_IGN) };
-    }
-    // The guard's blocked signals would be inherited through exec: the watchdog starts with none.
-    sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
-    // Moved out of the way first, so placing one cannot overwrite another (the status pipe's end
-    // included: were it overwritten, the app's process would take that for an exec).
-    *status = park(plan.status)?;
-    let source = park(plan.message)?;
-    let kept = plan.kept.map(park).transpose()?;
-    hand_down(plan.dev_null, 0)?;
-    hand_down(plan.dev_null, 1)?;
-    hand_down(source, MESSAGE_FD)?;
-    if let Some(kept) = kept {
-        hand_down(kept, KEPT_FD)?;
-    }
-    // SAFETY: both arrays are NULL-terminated and point into CStrings the parent made.
-    unsafe { libc::execve(plan.argv[0], plan.argv.as_ptr(), plan.envp.as_ptr()) };
-    Err(io::Error::last_os_error())
-}
-
-/// A close-on-exec copy of `fd` numbered 10 or above, clear of the fds being placed. Async-signal-safe.
-fn park(fd: RawFd) -> io::Result<RawFd> {
-    // SAFETY: fcntl(F_DUPFD_CLOEXEC) on an fd open in the child has no memory-safety preconditions.
-    match unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10) } {
-        -1 => Err(io::Error::last_os_error()),
-        parked => Ok(parked),
-    }
-}
-
-/// Makes `source` the child's `target` fd, without close-on-exec. Async-signal-safe.
-fn hand_down(source: RawFd, target: RawFd) -> io::Result<()> {
-    if source == target {
-        // SAFETY: `source` is open in the child for the duration of this call.
-        fcntl(
-            unsafe { BorrowedFd::borrow_raw(source) },
-            FcntlArg::F_SETFD(FdFlag::empty()),
-        )?;
-    } else if unsafe { libc::dup2(source, target) } < 0 {
-        // dup2 clears close-on-exec on the copy.
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// Every signal the watchdog ignores: all that can be caught, but the synchronous faults (which
-/// describe a bug of its own) and SIGCHLD (ignoring it would change how children are reaped).
-/// SIGPIPE is among them: a write to a closed pipe must fail, not kill.
-fn ignored_signals() -> impl Iterator<Item = i32> {
-    let faults = [
-        libc::SIGSEGV,
-        libc::SIGBUS,
-        libc::SIGILL,
-        libc::SIGFPE,
-        libc::SIGABRT,
-        libc::SIGTRAP,
-        libc::SIGSYS,
-        libc::SIGKILL,
-        libc::SIGSTOP,
-        libc::SIGCHLD,
-    ];
-    (1..=libc::SIGRTMAX()).filter(move |s| !faults.contains(s))
-}
-
-/// `sentinel-guard __watchdog <stop-signal> <grace-ns>`.
-pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
+/// `sentinel-guard __watchdog <stop-signal> <grace-ns>`; the process's exit code.
+fn main(args: &[String], farewell: FarewellRunner) -> u8 {
     let parsed = (|| {
         let signal: Signal = args.first()?.parse().ok()?;
         let grace: u64 = args.get(1)?.parse().ok()?;
@@ -553,7 +260,7 @@ pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
         .is_ok_and(|st| SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFIFO);
     let (Some((stop_signal, grace)), true) = (parsed, is_pipe) else {
         eprintln!("sentinel-guard: __watchdog is internal to the guard and cannot be run by hand");
-        return ExitCode::from(crate::vocab::EXIT_USAGE);
+        return crate::vocab::EXIT_USAGE;
     };
     for number in ignored_signals() {
         // Already ignored since before exec (see `Watchdog::spawn`); again here for certainty.
@@ -571,7 +278,7 @@ pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
     };
     let Ok(handover) = decode_handover(&mut pipe) else {
         // The guard died before it finished the hand-over, so before it started the app.
-        return ExitCode::SUCCESS;
+        return 0;
     };
     // SAFETY: fd 4 was handed over with the flag that says so.
     let kept = handover
@@ -598,18 +305,18 @@ pub fn main(args: &[String], farewell: FarewellRunner) -> ExitCode {
             // Without a timer the switch cannot act on a frozen guard; the guard sees it end.
             log.on();
             error!(event = "watchdog_failed", error = %e, "watchdog cannot create its timer");
-            return ExitCode::from(crate::vocab::EXIT_INTERNAL);
+            return crate::vocab::EXIT_INTERNAL;
         }
     };
     let mut switch = Switch::new(grace);
     match watch(&mut pipe, timer, stop_signal, &mut switch, &mut log, &reach) {
-        Ended::Acted => ExitCode::from(EXIT_ACTED),
-        Ended::StoodDown => ExitCode::SUCCESS,
+        Ended::Acted => EXIT_ACTED,
+        Ended::StoodDown => 0,
         Ended::GuardGone => {
             let message = if switch.farewell { &message[..] } else { &[] };
             let kept = if switch.farewell { kept } else { None };
             guard_gone(kept, message, farewell, &mut log, &reach);
-            ExitCode::SUCCESS
+            0
         }
     }
 }
@@ -706,7 +413,7 @@ fn watch(
         }
         let stop_waits_for_group = switch.due(Deadline::now()) == Action::Stop;
         let wake = if stop_waits_for_group {
-            switch.dead_by
+            switch.app_deadline
         } else {
             switch.next_wake()
         };
@@ -992,7 +699,7 @@ mod tests {
     fn messages_round_trip_and_unknown_tags_are_refused() {
         for message in [
             Message::AppGroup(Pid::from_raw(4_194_304)),
-            Message::LockDeadline(at(5)),
+            Message::AppDeadline(at(5)),
             Message::KillBy(Deadline::NEVER),
             Message::LockLost,
             Message::StandDown,
@@ -1031,14 +738,14 @@ mod tests {
     fn a_silent_guard_gets_the_stop_signal_then_sigkill() {
         let mut switch = Switch::new(Duration::from_secs(5));
         assert_eq!(switch.due(at(0)), Action::Nothing, "no deadline yet");
-        switch.apply(Message::LockDeadline(at(10_000)), at(0));
+        switch.apply(Message::AppDeadline(at(10_000)), at(0));
         assert_eq!(switch.due(at(5_000)), Action::Nothing);
         assert_eq!(switch.next_wake(), at(5_200));
         assert_eq!(switch.due(at(5_200)), Action::Stop);
         switch.stop_sent();
         assert_eq!(switch.due(at(6_000)), Action::Nothing, "stop is sent once");
         // A guard that wakes up late cannot call the stop off.
-        switch.apply(Message::LockDeadline(at(20_000)), at(6_000));
+        switch.apply(Message::AppDeadline(at(20_000)), at(6_000));
         assert_eq!(switch.next_wake(), at(10_000));
         assert_eq!(switch.due(at(10_000)), Action::Kill);
     }
@@ -1046,9 +753,9 @@ mod tests {
     #[test]
     fn a_passed_deadline_is_never_replaced() {
         let mut switch = Switch::new(Duration::from_secs(5));
-        switch.apply(Message::LockDeadline(at(10_000)), at(0));
+        switch.apply(Message::AppDeadline(at(10_000)), at(0));
         // Frozen past the deadline: the later deadline the guard wrote is read only after the thaw.
-        switch.apply(Message::LockDeadline(at(40_000)), at(30_000));
+        switch.apply(Message::AppDeadline(at(40_000)), at(30_000));
         assert_eq!(switch.due(at(30_000)), Action::Kill);
         switch.apply(Message::KillBy(at(35_000)), at(30_000));
         assert_eq!(switch.due(at(30_000)), Action::Kill);
@@ -1057,13 +764,13 @@ mod tests {
     #[test]
     fn teardown_keeps_the_switch_armed_without_a_second_stop_signal() {
         let mut switch = Switch::new(Duration::from_secs(5));
-        switch.apply(Message::LockDeadline(at(10_000)), at(0));
+        switch.apply(Message::AppDeadline(at(10_000)), at(0));
         switch.apply(Message::KillBy(at(3_000)), at(1_000));
         assert_eq!(switch.due(at(2_999)), Action::Nothing);
         assert_eq!(switch.next_wake(), at(3_000));
         assert_eq!(switch.due(at(3_000)), Action::Kill);
         // Deadlines proven during teardown do not move the kill later.
-        switch.apply(Message::LockDeadline(at(50_000)), at(2_000));
+        switch.apply(Message::AppDeadline(at(50_000)), at(2_000));
         assert_eq!(switch.due(at(3_000)), Action::Kill);
         // A kill during teardown backs the guard up: it is not a frozen guard's, and nothing
         // more is due until the stand-down.
@@ -1073,7 +780,7 @@ mod tests {
         assert_eq!(switch.next_wake(), Deadline::NEVER);
         // A kill-by never moves the deadline later either.
         let mut switch = Switch::new(Duration::from_secs(5));
-        switch.apply(Message::LockDeadline(at(2_000)), at(0));
+        switch.apply(Message::AppDeadline(at(2_000)), at(0));
         switch.apply(Message::KillBy(at(6_000)), at(1_000));
         assert_eq!(switch.due(at(2_000)), Action::Kill);
     }

@@ -50,7 +50,7 @@ impl Etcd {
                 .collect::<Vec<_>>()
                 .join(",");
             let mut etcd = Etcd {
-                dir: tempfile::tempdir().unwrap(),
+                dir: super::scratch_dir(),
                 members,
                 initial_cluster,
                 root: None,

@@ -39,7 +39,10 @@ fn template() -> &'static Path {
                         "--auth-root-authentication-method=normal",
                         "--skip-test-db",
                     ])
-                    .arg(format!("--datadir={}", staging.display()));
+                    .arg(format!("--datadir={}", staging.display()))
+                    // The bootstrap server, like every start, deletes the `#sql*` files of its
+                    // temporary directory: in a shared /tmp, other servers' live temporary tables.
+                    .env("TMPDIR", staging);
                 must_run(
                     install,
                     "mariadb-install-db (apt-get install mariadb-server)",
@@ -64,12 +67,12 @@ impl MariaDb {
 
     /// A server started with `extra` options on top of the harness's own.
     pub fn start_with(extra: &[&str]) -> MariaDb {
-        MariaDb::start_in(tempfile::tempdir().unwrap(), extra)
+        MariaDb::start_in(super::scratch_dir(), extra)
     }
 
     /// A server that also speaks TLS, with a certificate for 127.0.0.1 signed by `ca_cert()`.
     pub fn start_tls() -> MariaDb {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = super::scratch_dir();
         server_certificate(dir.path());
         let file = |name: &str| dir.path().join(name).display().to_string();
         let extra = [
@@ -116,6 +119,10 @@ impl MariaDb {
             .arg("--no-defaults")
             .arg("--user=root")
             .arg(format!("--datadir={}", d.join("data").display()))
+            // Its own temporary directory: a starting server deletes every `#sql*` file in its
+            // directory, and a process-list read's on-disk temporary table deleted under it
+            // crashes MariaDB 10.11 (SIGSEGV in `ha_maria::drop_table`).
+            .arg(format!("--tmpdir={}", d.display()))
             .arg(format!("--socket={}", self.socket().display()))
             .arg(format!("--port={}", self.port))
             .arg("--bind-address=127.0.0.1")
@@ -178,7 +185,17 @@ impl MariaDb {
 
     /// Runs SQL as root over the private socket; panics on failure.
     pub fn sql(&self, sql: &str) -> String {
-        stdout_of(self.client(sql)).unwrap_or_else(|| panic!("query failed: {sql}"))
+        let out = self
+            .client(sql)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run the mariadb client for {sql}: {e}"));
+        assert!(
+            out.status.success(),
+            "query failed ({}): {sql}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
     }
 
     /// The connection id holding `name`, if any.
@@ -203,6 +220,22 @@ impl MariaDb {
 
 impl Drop for MariaDb {
     fn drop(&mut self) {
+        // A failing test shows whether the server still ran (a stray signal, a crash: its status).
+        if std::thread::panicking() {
+            let state = match self.process.as_mut().map(Child::try_wait) {
+                Some(Ok(Some(status))) => format!("had ended: {status}"),
+                Some(Ok(None)) => "was running".to_owned(),
+                Some(Err(e)) => format!("could not be asked: {e}"),
+                None => "was stopped by the test".to_owned(),
+            };
+            let log = fs::read_to_string(self.dir.path().join("error.log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(30).collect();
+            eprintln!(
+                "mariadbd on port {} {state}; it logged, last lines first:\n{}",
+                self.port,
+                tail.join("\n")
+            );
+        }
         self.kill9();
     }
 }

@@ -27,6 +27,24 @@ pub use tempfile::TempDir;
 
 pub const GUARD: &str = env!("CARGO_BIN_EXE_sentinel-guard");
 
+/// The binary `Lab::command` runs: `GUARD`, unless the benchmark chose the release binary it
+/// measures (`measure_guard`).
+static MEASURED_GUARD: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+pub fn guard_binary() -> &'static Path {
+    MEASURED_GUARD
+        .get()
+        .map_or(Path::new(GUARD), PathBuf::as_path)
+}
+
+/// Makes every command of these helpers run `binary` rather than the one cargo built beside the
+/// tests.
+pub fn measure_guard(binary: PathBuf) {
+    MEASURED_GUARD
+        .set(binary)
+        .expect("the guard under measure is chosen once");
+}
+
 /// Fast timings so fault tests finish in seconds.
 pub const FAST: &[&str] = &[
     "--check-interval",
@@ -145,6 +163,24 @@ pub fn free_port() -> u16 {
         }
     }
     panic!("no free loopback port in 20000-29999");
+}
+
+/// A fresh directory for a server's data or a lab's files, in memory (`/dev/shm`) where the
+/// machine has it. The servers fsync (etcd at every vote and write, InnoDB at every commit), and
+/// on a disk that the builds running beside the tests keep busy one fsync, or one file created or
+/// removed, could wait seconds behind their writes: longer than a lease a test holds. A container's `/dev/shm` (64 MiB by default) is too small for a database server: then the disk.
+pub fn scratch_dir() -> tempfile::TempDir {
+    const ROOM: u64 = 2 << 30;
+    let shm = Path::new("/dev/shm");
+    let writable = nix::unistd::access(shm, nix::unistd::AccessFlags::W_OK).is_ok();
+    let roomy = nix::sys::statvfs::statvfs(shm)
+        .is_ok_and(|fs| fs.blocks_available() * fs.fragment_size() >= ROOM);
+    if shm.is_dir() && writable && roomy {
+        if let Ok(dir) = tempfile::tempdir_in(shm) {
+            return dir;
+        }
+    }
+    tempfile::tempdir().unwrap()
 }
 
 /// A directory made once per build under the tests' temp dir by `init` (given a fresh staging
@@ -322,7 +358,7 @@ impl Lab {
     /// with defaults is tested in a `Lab::with_default_takeover`.
     pub fn new() -> Lab {
         Lab {
-            dir: tempfile::tempdir().unwrap(),
+            dir: scratch_dir(),
             started: 0,
             default_takeover: false,
         }
@@ -347,7 +383,7 @@ impl Lab {
     /// A command line: `sentinel-guard <args> -- <app...>` (no `--` without an app), environment
     /// cleaned of the guard's own vars.
     pub fn command(&self, args: &[&str], app: &[&str]) -> Command {
-        let mut cmd = Command::new(GUARD);
+        let mut cmd = Command::new(guard_binary());
         cmd.args(args);
         if !app.is_empty() {
             cmd.arg("--").args(app);
@@ -363,6 +399,8 @@ impl Lab {
         if !self.default_takeover {
             cmd.env("SENTINEL_GUARD_TAKEOVER_DELAY", "0s");
         }
+        // The guard's socket for its app, made and removed in the lab (see `scratch_dir`).
+        cmd.env("TMPDIR", self.dir.path());
         cmd.stdin(Stdio::null()).stdout(Stdio::null());
         cmd
     }

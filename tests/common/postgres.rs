@@ -126,7 +126,7 @@ pub struct Postgres {
 
 impl Postgres {
     pub fn start() -> Postgres {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = super::scratch_dir();
         let status = Command::new("cp")
             .arg("-a")
             .arg(format!("{}/.", template().display()))
@@ -148,7 +148,7 @@ impl Postgres {
 
     /// A hot standby of `primary`, from `pg_basebackup` with `standby.signal`, on a port of its own.
     pub fn standby_of(primary: &Postgres) -> Postgres {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = super::scratch_dir();
         give_to_server_user(dir.path());
         let mut backup = Command::new(program("pg_basebackup"));
         backup

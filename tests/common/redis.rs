@@ -33,7 +33,7 @@ impl Redis {
     }
 
     fn launch(tls: bool, extra: &[String]) -> Redis {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = super::scratch_dir();
         if tls {
             server_certificate(dir.path());
         }

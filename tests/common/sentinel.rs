@@ -45,7 +45,7 @@ struct Sentinel {
 
 impl Sentinel {
     fn start(primary: u16) -> Sentinel {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = super::scratch_dir();
         let port = free_port();
         let config = dir.path().join("sentinel.conf");
         std::fs::write(

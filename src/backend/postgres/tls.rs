@@ -84,8 +84,13 @@ impl Tls {
 fn trusted_roots(ca_file: Option<&Path>) -> Result<RootCertStore, String> {
     let mut roots = RootCertStore::empty();
     let certs: Vec<CertificateDer<'static>> = match ca_file {
-        Some(path) => CertificateDer::pem_file_iter(path)
-            .and_then(|certs| certs.collect())
+        Some(path) => crate::input_file::read(path)
+            .map_err(|e| e.to_string())
+            .and_then(|pem| {
+                CertificateDer::pem_slice_iter(&pem)
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| e.to_string())
+            })
             .map_err(|e| format!("sslrootcert={}: {e}", path.display()))?,
         None => rustls_native_certs::load_native_certs().certs,
     };

@@ -1,0 +1,271 @@
+//! The held MySQL lock: its ownership check, its interrupts, its release.
+
+use super::*;
+
+/// A held `GET_LOCK`: a task owns the connection and keeps proving ownership until it is told to
+/// release or finds the lock gone.
+pub(super) fn watch(
+    conn: Conn,
+    session_id: u64,
+    target: &MysqlTarget,
+    request: &LockRequest<'_>,
+    asked: (Deadline, Option<(u16, u16)>),
+    (previous, fence, recorded): (Previous, u64, bool),
+) -> HeldLock {
+    let farewell = SessionFarewell {
+        server: Server::Mysql,
+        url: target.secret.clone(),
+        session_id,
+        revision: 0,
+        name: request.name.as_str().to_owned(),
+        holder_id: request.holder.id.clone(),
+        timeout: request.timings.connect_timeout,
+        ca_file: target.ca_file.clone(),
+    }
+    .encode();
+    let watcher = Watcher {
+        session_id,
+        name: request.name.as_str().to_owned(),
+        holder_id: request.holder.id.clone(),
+        target: target.clone(),
+        check_sql: check_sql(request),
+        release_sql: format!("SELECT RELEASE_LOCK('{}')", request.name.as_str()),
+        released_sql: record_table::released_sql(request, recorded),
+        timing: CheckTiming::of(request),
+    };
+    HeldLock::new(SessionHeld {
+        session: SessionLock::spawn(watcher, conn, farewell, Some(fence), asked),
+        previous,
+        windows: SqlWindows {
+            dialect: MysqlWindows(Box::new(target.clone())),
+            // Past i64 (never, in practice) it matches no session: no claim, never a wrong one.
+            session_id: i64::try_from(session_id).unwrap_or(-1),
+        },
+    })
+}
+
+/// The query that proves ownership, and in the same statement that the server is still a writable
+/// primary: a primary demoted in place (`read_only`, which `super_read_only` implies, set by a
+/// switchover while the lock is held) keeps the lock valid on itself while the new primary grants
+/// the name to anyone. `read_only` is read as text: MariaDB 11 made it a list of levels, where
+/// anything but `OFF` refuses writes. The comment lets a refused instance name this guard from the
+/// process list. Lock names and holder fields are restricted to characters that need no escaping.
+fn check_sql(request: &LockRequest<'_>) -> String {
+    let sleep = request.timings.check_interval.as_secs_f64();
+    format!(
+        "SELECT SLEEP({sleep:.3}), IS_USED_LOCK('{name}') = CONNECTION_ID(), \
+         CAST(@@global.read_only AS CHAR) NOT IN ('0', 'OFF') /* sentinel-guard {holder} */",
+        name = request.name.as_str(),
+        holder = request.holder,
+    )
+}
+
+struct Watcher {
+    session_id: u64,
+    /// The lock's name and the guard's holder id: what proves `session_id` is still the lock's session.
+    name: String,
+    holder_id: String,
+    target: MysqlTarget,
+    check_sql: String,
+    release_sql: String,
+    /// Marks the lock record released, where there is one.
+    released_sql: Option<String>,
+    timing: CheckTiming,
+}
+
+/// The row of `check_sql`, or why there is none.
+type CheckResult = Result<
+    Result<Option<(Option<i64>, Option<i64>, Option<i64>)>, mysql_async::Error>,
+    tokio::time::error::Elapsed,
+>;
+
+impl SessionWatcher for Watcher {
+    type Conn = Conn;
+    type Answer = CheckResult;
+
+    fn timing(&self) -> &CheckTiming {
+        &self.timing
+    }
+
+    fn check<'a>(&'a self, conn: &'a mut Conn) -> impl Future<Output = CheckResult> + Send + 'a {
+        timeout(
+            self.timing.budget,
+            conn.query_first::<(Option<i64>, Option<i64>, Option<i64>), _>(&self.check_sql),
+        )
+    }
+
+    fn verdict(&self, answer: CheckResult) -> Verdict {
+        match answer {
+            Ok(Ok(Some((_, _, Some(read_only))))) if read_only != 0 => Verdict::Demoted(
+                "@@global.read_only is ON: the server was demoted from primary while holding the lock"
+                    .to_owned(),
+            ),
+            Ok(Ok(Some((_, Some(1), Some(0))))) => Verdict::Owned,
+            Ok(Ok(row)) => Verdict::NotOwner(format!(
+                "IS_USED_LOCK no longer names connection {} ({row:?})",
+                self.session_id
+            )),
+            Err(_) => Verdict::NoAnswer,
+            Ok(Err(e)) => {
+                let closed = session_ended(&e);
+                let detail = self.target.url.scrub(e);
+                if closed {
+                    Verdict::Closed(detail)
+                } else {
+                    Verdict::Failed(detail)
+                }
+            }
+        }
+    }
+
+    /// A side connection, authenticated: `KILL QUERY` needs the lock session's user.
+    type Interrupter = Conn;
+
+    fn open_interrupter(&self) -> impl Future<Output = Option<Conn>> + Send + 'static {
+        let target = self.target.clone();
+        async move { connect(&target, INTERRUPT_TIMEOUT).await.ok() }
+    }
+
+    /// `KILL QUERY` from a side connection, repeated until the check answers: the first one can
+    /// reach the server before the check itself does. Each is sent only once the side connection has
+    /// proven that the id is still the lock's session running this guard's check
+    /// (`runs_our_check`): after a restart or a moved address the number can be a stranger's. A side
+    /// connection that the server has closed (one opened ahead can outlive its `wait_timeout` during
+    /// a long teardown) is replaced by a new one. Without a side connection, or without the proof,
+    /// the sleep simply runs out.
+    async fn interrupt<'a, F>(
+        &'a self,
+        mut check: Pin<&'a mut F>,
+        ahead: Option<Conn>,
+    ) -> CheckResult
+    where
+        F: Future<Output = CheckResult> + Send + 'a,
+    {
+        let kill = format!("KILL QUERY {}", self.session_id);
+        let mut side = ahead;
+        let result = loop {
+            let conn = match side.as_mut() {
+                Some(conn) => conn,
+                None => match self.open_interrupter().await {
+                    Some(conn) => side.insert(conn),
+                    None => {
+                        debug!(
+                            connection_id = self.session_id,
+                            "could not interrupt the check sleep; waiting for it to end"
+                        );
+                        return check.await;
+                    }
+                },
+            };
+            let proof = runs_our_check(
+                conn,
+                &self.name,
+                self.session_id,
+                &self.holder_id,
+                INTERRUPT_TIMEOUT,
+            )
+            .await;
+            // `None`: no answer in time, which leaves the answer unread on the side connection,
+            // where the next statement would read it as its own (a stale proof, say): replaced.
+            let sent = match proof {
+                Ok(true) => timeout(INTERRUPT_TIMEOUT, conn.query_drop(&kill))
+                    .await
+                    .ok(),
+                // Not (or not yet: the proof can reach the server before the check does) the lock's
+                // session running this guard's check: no interrupt, and another look shortly.
+                Ok(false) => {
+                    debug!(
+                        connection_id = self.session_id,
+                        "the id does not name the lock's session running this guard's check; not interrupting it"
+                    );
+                    Some(Ok(()))
+                }
+                Err(e) => e.map(Err),
+            };
+            match sent {
+                None => side = None,
+                Some(Err(e)) if session_ended(&e) => side = None,
+                Some(_) => {}
+            }
+            tokio::select! {
+                result = check.as_mut() => break result,
+                _ = tokio::time::sleep(INTERRUPT_RETRY) => {}
+            }
+        };
+        if let Some(side) = side {
+            let _ = timeout(INTERRUPT_TIMEOUT, side.disconnect()).await;
+        }
+        result
+    }
+
+    fn release(&self, conn: Conn) -> impl Future<Output = Result<(), LockError>> + Send + '_ {
+        self.give_back(conn)
+    }
+
+    /// The unanswered check's answer would be read as the release's own: the session is closed
+    /// instead (a cancelled statement leaves the driver nothing to send on its way out).
+    async fn abandon(&self, conn: Conn) -> Result<(), LockError> {
+        drop(conn);
+        warn!(
+            event = "release_failed",
+            connection_id = self.session_id,
+            "the last check had no answer in time; closed the session instead, which frees the lock, and the next holder waits the takeover bound"
+        );
+        Ok(())
+    }
+}
+
+impl Watcher {
+    async fn give_back(&self, mut conn: Conn) -> Result<(), LockError> {
+        // The record first, while the lock is still ours: the next holder starts at once. Only
+        // called once the app's tree is gone.
+        if let Some(sql) = &self.released_sql {
+            match timeout(self.timing.budget, conn.query_drop(sql)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    warn!(event = "lock_record_failed", error = %self.target.url.scrub(e), "cannot mark the lock record released; the next holder waits the takeover bound")
+                }
+                // Its answer is still unread on the session, where RELEASE_LOCK would read it as its
+                // own: closing the session frees the lock instead.
+                Err(_) => {
+                    warn!(event = "lock_record_failed", connection_id = self.session_id, "no answer while marking the lock record released; closed the session instead, which frees the lock, and the next holder waits the takeover bound");
+                    return Ok(());
+                }
+            }
+        }
+        let released = timeout(
+            self.timing.budget,
+            conn.query_first::<Option<i64>, _>(&self.release_sql),
+        )
+        .await;
+        match released {
+            Ok(Ok(Some(Some(1)))) => info!(
+                event = "lock_released",
+                connection_id = self.session_id,
+                "mysql lock released"
+            ),
+            Ok(Ok(other)) => warn!(
+                event = "release_failed",
+                connection_id = self.session_id,
+                result = other
+                    .flatten()
+                    .map_or_else(|| "NULL".to_owned(), |n| n.to_string()),
+                "release_lock did not confirm; closing the connection frees the lock"
+            ),
+            Ok(Err(e)) => warn!(
+                event = "release_failed",
+                connection_id = self.session_id,
+                error = %self.target.url.scrub(e),
+                "release_lock failed; closing the connection frees the lock"
+            ),
+            Err(_) => warn!(
+                event = "release_failed",
+                connection_id = self.session_id,
+                "release_lock timed out; closing the connection frees the lock"
+            ),
+        }
+        // Closing the session frees the lock on the server even where RELEASE_LOCK failed.
+        let _ = timeout(self.timing.budget, conn.disconnect()).await;
+        Ok(())
+    }
+}
