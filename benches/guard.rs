@@ -1405,10 +1405,11 @@ fn redis_failover(report: &mut Report, settings: &Settings) {
 /// `SENTINEL_NEMESIS_SECONDS` each: one row per backend, with the faults survived by kind.
 fn nemesis(report: &mut Report) {
     type Start = fn() -> Backend;
-    let runs: [(&str, Start); 5] = [
+    let runs: [(&str, Start); 6] = [
         ("mysql", || Backend::Mysql(MariaDb::start())),
         ("postgres", || Backend::Postgres(Postgres::start())),
         ("redis", || Backend::Redis(Redis::start())),
+        ("redis+sentinel", || Backend::Sentinel(Sentinels::start())),
         ("etcd", || Backend::Etcd(Etcd::cluster(3))),
         ("file", || Backend::File(Lab::new())),
     ];

@@ -79,7 +79,7 @@ fn port_of(backend: &Backend) -> u16 {
         Backend::Postgres(db) => db.port,
         Backend::Redis(redis) => redis.port,
         Backend::Etcd(etcd) => etcd.client_port(0),
-        Backend::File(_) => unreachable!("no server"),
+        Backend::Sentinel(_) | Backend::File(_) => unreachable!("no server in the matrix"),
     }
 }
 
@@ -89,7 +89,7 @@ fn url_via(backend: &Backend, port: u16) -> String {
         Backend::Postgres(db) => db.url_with_port(port),
         Backend::Redis(_) => format!("redis://127.0.0.1:{port}"),
         Backend::Etcd(_) => format!("etcd://127.0.0.1:{port}"),
-        Backend::File(_) => unreachable!("no server"),
+        Backend::Sentinel(_) | Backend::File(_) => unreachable!("no server in the matrix"),
     }
 }
 
@@ -100,7 +100,7 @@ fn signal_server(backend: &Backend, signal: i32) {
         Backend::Postgres(db) => db.signal_all(signal),
         Backend::Redis(redis) => send(redis.pid(), signal),
         Backend::Etcd(etcd) => etcd.signal_all(signal),
-        Backend::File(_) => unreachable!("no server"),
+        Backend::Sentinel(_) | Backend::File(_) => unreachable!("no server in the matrix"),
     }
 }
 
@@ -191,14 +191,14 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
             Backend::Mysql(db) => db.kill9(),
             Backend::Postgres(db) => db.kill9(),
             Backend::Redis(redis) => redis.kill9(),
-            Backend::Etcd(_) | Backend::File(_) => unreachable!(),
+            Backend::Etcd(_) | Backend::Sentinel(_) | Backend::File(_) => unreachable!(),
         },
         Fault::ServerFreeze => signal_server(&backend, 19),
         Fault::ServerRestart | Fault::StaleSnapshot => match &mut backend {
             Backend::Mysql(db) => db.restart(),
             Backend::Postgres(db) => db.restart(),
             Backend::Redis(redis) => redis.restart(),
-            Backend::Etcd(_) | Backend::File(_) => unreachable!(),
+            Backend::Etcd(_) | Backend::Sentinel(_) | Backend::File(_) => unreachable!(),
         },
         Fault::ConnectionKill => match &backend {
             Backend::Mysql(db) => {
@@ -289,7 +289,7 @@ fn round(kind: Kind, fault: Fault, expect: &Expect) -> Measured {
             Backend::Mysql(db) => db.restart(),
             Backend::Postgres(db) => db.restart(),
             Backend::Redis(redis) => redis.restart(),
-            Backend::Etcd(_) | Backend::File(_) => unreachable!(),
+            Backend::Etcd(_) | Backend::Sentinel(_) | Backend::File(_) => unreachable!(),
         },
         _ => {}
     }

@@ -11,6 +11,7 @@ use common::mariadb::MariaDb;
 use common::nemesis::{self, Nemesis};
 use common::postgres::Postgres;
 use common::redis::Redis;
+use common::sentinel::Sentinels;
 use common::*;
 
 /// The checker must be able to fail: histories that break each rule are caught, a clean one is not.
@@ -82,6 +83,14 @@ fn nemesis_postgres() {
 fn nemesis_redis() {
     needs_the_tools();
     Nemesis::new(Backend::Redis(Redis::start())).run();
+}
+
+/// A primary, two replicas and three sentinels: failovers, a primary frozen long enough to be
+/// replaced and then thawed, nodes killed and restarted empty, on top of every guard fault.
+#[test]
+fn nemesis_redis_sentinel() {
+    needs_the_tools();
+    Nemesis::new(Backend::Sentinel(Sentinels::start())).run();
 }
 
 #[test]

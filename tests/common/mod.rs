@@ -824,6 +824,8 @@ pub enum Backend {
     Redis(redis::Redis),
     /// Not in `all()`: the fault matrix and `tests/etcd_backend.rs` use it.
     Etcd(etcd::Etcd),
+    /// A primary, two replicas and three sentinels; not in `all()`: the nemesis uses it.
+    Sentinel(sentinel::Sentinels),
     File(Lab),
 }
 
@@ -843,6 +845,7 @@ impl Backend {
             Backend::Postgres(db) => db.url(),
             Backend::Redis(redis) => redis.url(),
             Backend::Etcd(etcd) => etcd.url(),
+            Backend::Sentinel(group) => group.url(),
             Backend::File(lab) => lab.file_url("backend.lock"),
         }
     }
@@ -853,6 +856,7 @@ impl Backend {
             Backend::Postgres(_) => "postgres",
             Backend::Redis(_) => "redis",
             Backend::Etcd(_) => "etcd",
+            Backend::Sentinel(_) => "redis+sentinel",
             Backend::File(_) => "file",
         }
     }
@@ -862,6 +866,13 @@ impl Backend {
         match self {
             Backend::Redis(_) => fast_with(REDIS_LEASE),
             Backend::Etcd(_) => fast_with(ETCD_LEASE),
+            // A lease that outlives a failover, confirmed on a replica: without one, a failover
+            // may lose an acquisition the old primary had granted (README, "Redis Sentinel").
+            Backend::Sentinel(_) => {
+                let mut args = fast_with(sentinel::FAILOVER_LEASE);
+                args.extend(["--redis-min-replicas", "1"]);
+                args
+            }
             _ => FAST.to_vec(),
         }
     }

@@ -19,6 +19,7 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::Write;
+use std::net::Ipv4Addr;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
@@ -31,8 +32,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::freeze::Freezer;
-use super::netns::{Direction, Host};
+use super::netns::{Direction, Host, LoopbackCut};
 use super::proxy::Proxy;
+use super::sentinel::SECOND_ADDRESS;
 use super::*;
 
 const GUARDS: usize = 3;
@@ -116,6 +118,14 @@ enum Fault {
     ServerKill(usize),
     ServerStop,
     TakeAway,
+    /// `SENTINEL FAILOVER`: a replica promoted while the lock is held on the primary.
+    Failover,
+    /// The primary cut off from the sentinels and the replicas, while the guards still reach it:
+    /// the sentinels promote a replica, and the old primary serves whoever still talks to it.
+    PrimaryCut,
+    /// Every guard's host partitioned from the servers at once, both ways: the server's host cut
+    /// off from the guards'.
+    ServerCut,
 }
 
 impl Fault {
@@ -131,6 +141,9 @@ impl Fault {
             Fault::ServerKill(_) => "server_sigkill".into(),
             Fault::ServerStop => "server_sigstop".into(),
             Fault::TakeAway => "lock_taken_away".into(),
+            Fault::Failover => "sentinel_failover".into(),
+            Fault::PrimaryCut => "primary_cut_from_group".into(),
+            Fault::ServerCut => "server_cut_from_guards".into(),
         }
     }
 
@@ -144,7 +157,12 @@ impl Fault {
             | Fault::TreeFreeze(slot)
             | Fault::GuardKill(slot)
             | Fault::GuardTerm(slot) => Some(slot),
-            Fault::ServerKill(_) | Fault::ServerStop | Fault::TakeAway => None,
+            Fault::ServerKill(_)
+            | Fault::ServerStop
+            | Fault::TakeAway
+            | Fault::Failover
+            | Fault::PrimaryCut
+            | Fault::ServerCut => None,
         }
     }
 
@@ -165,6 +183,10 @@ impl Fault {
 struct Slot {
     host: Host,
     relays: Vec<Proxy>,
+    /// On the host, at each server's own loopback address, to that server's relay: where the
+    /// guards are told a server's address (Sentinel names the primary) rather than given it.
+    /// Their listeners live as long as this process, and keep the namespace (not its name) alive.
+    forwarders: Vec<Proxy>,
     url: String,
     freezer: Freezer,
     guard: Option<GuardProcess>,
@@ -173,6 +195,10 @@ struct Slot {
 }
 
 pub struct Nemesis {
+    /// The loopback rules of a `PrimaryCut` in force.
+    cut: Option<LoopbackCut>,
+    /// The Sentinel group's node a `ServerStop` stopped, to resume that one.
+    stopped_node: Option<usize>,
     // Field order is drop order: the slots (after `Drop` has killed their guards) go before the
     // servers and the directory the apps write to.
     slots: Vec<Slot>,
@@ -192,7 +218,17 @@ fn server_ports(backend: &Backend) -> Vec<u16> {
         Backend::Postgres(db) => vec![db.port],
         Backend::Redis(redis) => vec![redis.port],
         Backend::Etcd(etcd) => (0..etcd.size()).map(|i| etcd.client_port(i)).collect(),
+        Backend::Sentinel(group) => group.ports(),
         Backend::File(_) => Vec::new(),
+    }
+}
+
+/// The servers a `ServerKill` picks from: each etcd member, each Redis node of a Sentinel group.
+fn members(backend: &Backend) -> usize {
+    match backend {
+        Backend::Etcd(etcd) => etcd.size(),
+        Backend::Sentinel(group) => group.nodes.len(),
+        _ => 1,
     }
 }
 
@@ -237,20 +273,34 @@ impl Nemesis {
             .map(|_| {
                 let host = Host::create();
                 let mut url = backend.url();
-                let relays: Vec<Proxy> = server_ports(&backend)
-                    .into_iter()
-                    .map(|port| {
-                        let relay = Proxy::listening_on(&format!("{}:0", host.gateway), port);
+                let (mut relays, mut forwarders) = (Vec::new(), Vec::new());
+                for port in server_ports(&backend) {
+                    let upstream = match &backend {
+                        Backend::Sentinel(group) if group.nodes.iter().any(|n| n.port == port) => {
+                            SECOND_ADDRESS.into()
+                        }
+                        _ => Ipv4Addr::LOCALHOST.into(),
+                    };
+                    let relay = Proxy::carrying(&format!("{}:0", host.gateway), (upstream, port));
+                    if matches!(backend, Backend::Sentinel(_)) {
+                        let gateway = host.gateway.parse().unwrap();
+                        forwarders.push(Proxy::in_namespace(
+                            &format!("/run/netns/{}", host.name),
+                            &format!("127.0.0.1:{port}"),
+                            (gateway, relay.port),
+                        ));
+                    } else {
                         url = url.replace(
                             &format!("127.0.0.1:{port}"),
                             &format!("{}:{}", host.gateway, relay.port),
                         );
-                        relay
-                    })
-                    .collect();
+                    }
+                    relays.push(relay);
+                }
                 Slot {
                     host,
                     relays,
+                    forwarders,
                     url,
                     freezer: Freezer::create(),
                     guard: None,
@@ -260,6 +310,8 @@ impl Nemesis {
             })
             .collect();
         Nemesis {
+            cut: None,
+            stopped_node: None,
             backend,
             lab,
             history,
@@ -376,9 +428,10 @@ impl Nemesis {
             _ => self.rng.random_range(0..GUARDS),
         };
         let networked = self.networked();
-        let members = server_ports(&self.backend).len().max(1);
+        let members = members(&self.backend);
+        let sentinel = matches!(self.backend, Backend::Sentinel(_));
         loop {
-            let fault = match self.rng.random_range(0..10) {
+            let fault = match self.rng.random_range(0..13) {
                 0 if networked => {
                     let direction = [Direction::Both, Direction::ToServer, Direction::FromServer]
                         [self.rng.random_range(0..3)];
@@ -393,6 +446,9 @@ impl Nemesis {
                 7 if networked => Fault::ServerKill(self.rng.random_range(0..members)),
                 8 if networked => Fault::ServerStop,
                 9 => Fault::TakeAway,
+                10 if sentinel => Fault::Failover,
+                11 if sentinel => Fault::PrimaryCut,
+                12 if networked => Fault::ServerCut,
                 _ => continue,
             };
             return fault;
@@ -414,6 +470,13 @@ impl Nemesis {
             Backend::Postgres(db) => db.signal_all(signal as i32),
             Backend::Redis(redis) => self::signal(redis.pid(), signal),
             Backend::Etcd(etcd) => etcd.signal_all(signal as i32),
+            // The node stopped: the sentinels may have named another primary since.
+            Backend::Sentinel(group) => {
+                let node = self.stopped_node.map(|i| &group.nodes[i]);
+                if let Some(node) = node.filter(|n| n.is_running()) {
+                    self::signal(node.pid(), signal);
+                }
+            }
             Backend::File(_) => unreachable!("no server"),
         }
     }
@@ -423,6 +486,11 @@ impl Nemesis {
     fn apply(&mut self, fault: Fault) -> bool {
         match fault {
             Fault::Partition(slot, direction) => self.slots[slot].host.partition(direction),
+            Fault::ServerCut => {
+                for slot in &self.slots {
+                    slot.host.partition(Direction::Both);
+                }
+            }
             Fault::Loss(slot) => self.slots[slot].host.lose(0.3),
             Fault::Delay(slot, ms) => {
                 for relay in &self.slots[slot].relays {
@@ -446,9 +514,34 @@ impl Nemesis {
                 Backend::Postgres(db) => db.kill9(),
                 Backend::Redis(redis) => redis.kill9(),
                 Backend::Etcd(etcd) => etcd.kill(member),
+                Backend::Sentinel(group) => group.nodes[member].kill9(),
                 Backend::File(_) => unreachable!("no server"),
             },
-            Fault::ServerStop => self.signal_server(Signal::SIGSTOP),
+            Fault::ServerStop => {
+                // Sentinel: the primary, whose replicas and sentinels go on and may replace it.
+                if let Backend::Sentinel(group) = &self.backend {
+                    self.stopped_node = group.primary_node();
+                    if self.stopped_node.is_none() {
+                        return false;
+                    }
+                }
+                self.signal_server(Signal::SIGSTOP)
+            }
+            Fault::Failover => {
+                let Backend::Sentinel(group) = &self.backend else {
+                    unreachable!("drawn for Sentinel only")
+                };
+                return group.request_failover();
+            }
+            Fault::PrimaryCut => {
+                let Backend::Sentinel(group) = &self.backend else {
+                    unreachable!("drawn for Sentinel only")
+                };
+                let Some(port) = group.primary_port() else {
+                    return false;
+                };
+                self.cut = Some(LoopbackCut::new(port));
+            }
             Fault::TakeAway => {
                 return match &self.backend {
                     Backend::Mysql(db) => db
@@ -465,6 +558,9 @@ impl Nemesis {
                             .trim()
                             == "1"
                     }
+                    Backend::Sentinel(group) => {
+                        group.delete_on_primary(&format!("sentinel-guard:{{{LOCK}}}"))
+                    }
                     Backend::Etcd(etcd) => {
                         let mut del = etcd.ctl();
                         del.args(["del", &format!("sentinel-guard/lock/{LOCK}")]);
@@ -480,6 +576,12 @@ impl Nemesis {
     fn heal(&mut self, fault: Fault) {
         match fault {
             Fault::Partition(slot, _) | Fault::Loss(slot) => self.slots[slot].host.heal(),
+            // A fault of one guard's link healed meanwhile ended this one early on that link.
+            Fault::ServerCut => {
+                for slot in &self.slots {
+                    slot.host.heal();
+                }
+            }
             Fault::Delay(slot, _) => {
                 for relay in &self.slots[slot].relays {
                     relay.set_delay(Duration::ZERO, Duration::ZERO);
@@ -498,10 +600,15 @@ impl Nemesis {
                 Backend::Postgres(db) => db.restart(),
                 Backend::Redis(redis) => redis.restart(),
                 Backend::Etcd(etcd) => etcd.restart(member),
+                Backend::Sentinel(group) => group.restart_node(member),
                 Backend::File(_) => unreachable!("no server"),
             },
-            Fault::ServerStop => self.signal_server(Signal::SIGCONT),
-            Fault::GuardKill(_) | Fault::GuardTerm(_) | Fault::TakeAway => {}
+            Fault::ServerStop => {
+                self.signal_server(Signal::SIGCONT);
+                self.stopped_node = None;
+            }
+            Fault::PrimaryCut => self.cut = None,
+            Fault::GuardKill(_) | Fault::GuardTerm(_) | Fault::TakeAway | Fault::Failover => {}
         }
     }
 

@@ -86,6 +86,7 @@ impl Host {
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         if n == 0 {
             remove_stale();
+            remove_stale_cuts();
         }
         assert!(n < 64, "too many hosts for one test process");
         let pid = std::process::id();
@@ -202,6 +203,86 @@ impl Host {
     /// Every rule gone: the link passes everything again.
     pub fn heal(&self) {
         self.iptables(&["-F"]);
+    }
+}
+
+/// A server cut off from its peers on loopback: packets to and from `127.0.0.1:port` are dropped,
+/// in this namespace, while the server's other addresses still pass. Rules carry the comment
+/// `sgcut-<pid>`; those of a test process that died are removed before a new cut is made.
+pub struct LoopbackCut {
+    rules: Vec<Vec<String>>,
+}
+
+fn root_iptables(action: &str, rule: &[String]) -> bool {
+    quiet(
+        Command::new("iptables")
+            .args(["-w", "5", action])
+            .args(rule),
+    )
+}
+
+impl LoopbackCut {
+    pub fn new(port: u16) -> LoopbackCut {
+        remove_stale_cuts();
+        let (port, tag) = (port.to_string(), format!("sgcut-{}", std::process::id()));
+        let rule = |side: &str, port_side: &str| -> Vec<String> {
+            [
+                "INPUT",
+                "-i",
+                "lo",
+                "-p",
+                "tcp",
+                side,
+                "127.0.0.1",
+                port_side,
+                &port,
+                "-m",
+                "comment",
+                "--comment",
+                &tag,
+                "-j",
+                "DROP",
+            ]
+            .map(str::to_owned)
+            .to_vec()
+        };
+        // Each rule is kept as it is inserted, so a failure still removes the ones before it.
+        let mut cut = LoopbackCut { rules: Vec::new() };
+        for rule in [rule("-d", "--dport"), rule("-s", "--sport")] {
+            assert!(root_iptables("-I", &rule), "iptables -I {}", rule.join(" "));
+            cut.rules.push(rule);
+        }
+        cut
+    }
+}
+
+impl Drop for LoopbackCut {
+    fn drop(&mut self) {
+        for rule in &self.rules {
+            if !root_iptables("-D", rule) {
+                eprintln!("could not remove iptables rule {}", rule.join(" "));
+            }
+        }
+    }
+}
+
+/// Deletes the cuts whose test process no longer runs: their ports may be any new server's.
+fn remove_stale_cuts() {
+    let listed = Command::new("iptables")
+        .args(["-w", "5", "-S", "INPUT"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    for line in listed.lines() {
+        let dead = line
+            .split_once("sgcut-")
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .and_then(|pid| pid.trim_matches('"').parse::<i32>().ok())
+            .is_some_and(|pid| !super::alive(pid));
+        if let (true, Some(rule)) = (dead, line.strip_prefix("-A ")) {
+            let rule: Vec<String> = rule.split_whitespace().map(str::to_owned).collect();
+            let _ = root_iptables("-D", &rule);
+        }
     }
 }
 

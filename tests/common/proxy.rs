@@ -4,7 +4,7 @@
 //! answer as late as a check accepts and then go silent (`late_answer_then_silence`).
 
 use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use super::{alive, as_strs, read_pid, recording_app, wait_until, Lab, FAST};
 
 /// What the proxy does to the bytes it carries, shared by the pumps of every connection.
-#[derive(Default)]
 struct Link {
     /// Nothing passes either way.
     silent: AtomicBool,
@@ -28,6 +27,8 @@ struct Link {
     answered_late: AtomicBool,
     /// The server port new connections are carried to.
     upstream_port: AtomicU16,
+    /// The server's address: loopback, or a relay's from another network namespace.
+    upstream_host: IpAddr,
 }
 
 pub struct Proxy {
@@ -42,17 +43,47 @@ impl Proxy {
 
     /// A proxy listening on `address` (e.g. `[::1]:0`, to reach an IPv4-only server over IPv6).
     pub fn listening_on(address: &str, upstream_port: u16) -> Proxy {
-        let listener = TcpListener::bind(address).unwrap();
+        Proxy::carrying(address, (Ipv4Addr::LOCALHOST.into(), upstream_port))
+    }
+
+    /// A proxy in the network namespace `netns` (a path such as `/run/netns/<name>`), listening on
+    /// `address` there and carrying to `upstream` as that namespace reaches it: a guard on a host of
+    /// its own then finds a server at the loopback address the rest of the group (Sentinel's
+    /// answers) names it by.
+    pub fn in_namespace(netns: &str, address: &str, upstream: (IpAddr, u16)) -> Proxy {
+        let (netns, address) = (netns.to_owned(), address.to_owned());
+        // A thread's network namespace is its own, and the threads it starts inherit it: the
+        // listener, its accept loop and every upstream connection live in `netns`.
+        thread::spawn(move || {
+            let ns = std::fs::File::open(&netns).unwrap();
+            nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET)
+                .unwrap_or_else(|e| panic!("enter {netns}: {e}"));
+            Proxy::carrying(&address, upstream)
+        })
+        .join()
+        .unwrap()
+    }
+
+    /// A proxy listening on `address`, carrying to `upstream`.
+    pub fn carrying(address: &str, (upstream_host, upstream_port): (IpAddr, u16)) -> Proxy {
+        let listener = TcpListener::bind(address)
+            .unwrap_or_else(|e| panic!("a proxy listening on {address}: {e}"));
         let port = listener.local_addr().unwrap().port();
         let link = Arc::new(Link {
             upstream_port: AtomicU16::new(upstream_port),
-            ..Link::default()
+            upstream_host,
+            silent: AtomicBool::default(),
+            upstream_silent: AtomicBool::default(),
+            delay_ms: AtomicU64::default(),
+            jitter_ms: AtomicU64::default(),
+            late_answer_ms: AtomicU64::default(),
+            answered_late: AtomicBool::default(),
         });
         let shared = link.clone();
         thread::spawn(move || {
             for client in listener.incoming().flatten() {
                 let upstream = shared.upstream_port.load(Ordering::SeqCst);
-                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                let Ok(server) = TcpStream::connect((shared.upstream_host, upstream)) else {
                     let _ = client.shutdown(Shutdown::Both);
                     continue;
                 };

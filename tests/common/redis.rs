@@ -101,6 +101,11 @@ impl Redis {
         self.dir.path().join("ca.pem")
     }
 
+    /// Whether it runs: not between `kill9` and `restart`.
+    pub fn is_running(&self) -> bool {
+        self.process.is_some()
+    }
+
     pub fn pid(&self) -> i32 {
         self.process.as_ref().expect("server is running").id() as i32
     }
@@ -134,6 +139,12 @@ impl Redis {
     pub fn restart(&mut self) {
         self.kill9();
         self.boot();
+    }
+
+    /// Restarts on the same port with `extra` in place of the options it was started with.
+    pub fn restart_with(&mut self, extra: &[String]) {
+        self.extra = extra.to_vec();
+        self.restart();
     }
 }
 

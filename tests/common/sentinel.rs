@@ -9,6 +9,9 @@ use super::redis::Redis;
 use super::{free_port, wait_until, TempDir};
 
 pub const GROUP: &str = "mymaster";
+/// Every node also listens here, where the nemesis's guards reach it: the group's own traffic, all
+/// on 127.0.0.1, can then be cut (`LoopbackCut`) while the guards' still flows.
+pub const SECOND_ADDRESS: std::net::Ipv4Addr = std::net::Ipv4Addr::new(127, 0, 0, 2);
 /// ttl 10s - margin 200ms - grace 1s = 8.8s >= renew 1s + check-timeout 1s: room for a failover
 /// (1s to call the primary down, then the election and the replicas' reconfiguration) without losing
 /// the lease.
@@ -34,6 +37,23 @@ fn cli(port: u16, args: &[&str]) -> Option<String> {
     out.status
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// A node's options: both addresses, and the primary it replicates, if any.
+fn node_args(replica_of: Option<u16>) -> Vec<String> {
+    let mut args = vec![
+        "--bind".to_owned(),
+        "127.0.0.1".to_owned(),
+        SECOND_ADDRESS.to_string(),
+    ];
+    if let Some(port) = replica_of {
+        args.extend([
+            "--replicaof".to_owned(),
+            "127.0.0.1".to_owned(),
+            port.to_string(),
+        ]);
+    }
+    args
 }
 
 /// A `redis-sentinel` watching `GROUP`.
@@ -90,14 +110,10 @@ pub struct Sentinels {
 
 impl Sentinels {
     pub fn start() -> Sentinels {
-        let primary = Redis::start();
-        let replica_of = [
-            "--replicaof".to_owned(),
-            "127.0.0.1".to_owned(),
-            primary.port.to_string(),
-        ];
+        let primary = Redis::start_with(&node_args(None));
+        let replica = node_args(Some(primary.port));
         let mut nodes = vec![primary];
-        nodes.extend((0..2).map(|_| Redis::start_with(&replica_of)));
+        nodes.extend((0..2).map(|_| Redis::start_with(&replica)));
         let primary = nodes[0].port;
         let sentinels: Vec<Sentinel> = (0..3).map(|_| Sentinel::start(primary)).collect();
         let group = Sentinels { nodes, sentinels };
@@ -139,6 +155,21 @@ impl Sentinels {
         out.lines().nth(1)?.parse().ok()
     }
 
+    /// The index in `nodes` of the node the sentinels name as primary.
+    pub fn primary_node(&self) -> Option<usize> {
+        let port = self.primary_port()?;
+        self.nodes.iter().position(|n| n.port == port)
+    }
+
+    /// Restarts node `i` empty, as a node without persistence comes back: still the primary if the
+    /// sentinels still name it (its replicas then copy its empty dataset), else a replica of the
+    /// one they name. With the `--replicaof` of its first start, a node the failovers had made
+    /// primary could come back as a replica of its own replica, and neither would ever sync.
+    pub fn restart_node(&mut self, i: usize) {
+        let primary = self.primary_port().filter(|p| *p != self.nodes[i].port);
+        self.nodes[i].restart_with(&node_args(primary));
+    }
+
     /// The node the sentinels name as primary.
     pub fn primary(&mut self) -> &mut Redis {
         let port = self.primary_port().expect("the sentinels name a primary");
@@ -173,9 +204,27 @@ impl Sentinels {
     /// `SENTINEL FAILOVER`: a replica is promoted; returns the new primary's port.
     pub fn failover(&self) -> u16 {
         let old = self.primary_port().expect("a primary");
-        let answer = cli(self.sentinels[0].port, &["SENTINEL", "FAILOVER", GROUP]);
-        assert_eq!(answer.as_deref(), Some("OK"), "SENTINEL FAILOVER refused");
+        assert!(self.request_failover(), "SENTINEL FAILOVER refused");
         self.await_new_primary(old, Duration::from_secs(20))
+    }
+
+    /// Asks a sentinel for a failover without waiting for it; false if it refused (one already
+    /// under way, no replica in a state to be promoted).
+    pub fn request_failover(&self) -> bool {
+        cli(self.sentinels[0].port, &["SENTINEL", "FAILOVER", GROUP]).as_deref() == Some("OK")
+    }
+
+    /// `DEL key` on the primary the sentinels name; whether a key was deleted.
+    pub fn delete_on_primary(&self, key: &str) -> bool {
+        self.primary_port()
+            .and_then(|port| cli(port, &["DEL", key]))
+            .is_some_and(|out| out == "1")
+    }
+
+    /// Every port of the group, the sentinels' and the nodes': what a guard must reach.
+    pub fn ports(&self) -> Vec<u16> {
+        let sentinels = self.sentinels.iter().map(|s| s.port);
+        sentinels.chain(self.nodes.iter().map(|n| n.port)).collect()
     }
 
     /// Runs `args` with redis-cli on the node at `port`.
