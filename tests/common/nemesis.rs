@@ -1,13 +1,14 @@
 //! The nemesis: random schedules of faults against three guards on hosts of their own, checked from
 //! a recorded history alone.
 //!
-//! Each test runs one backend: its server (or a three-member etcd cluster) in this test's network
-//! namespace, and three guards, each on a host of its own (a network namespace joined by a veth pair,
+//! Each test runs one backend: its server (a three-member etcd cluster; a Redis primary with two
+//! replicas and three sentinels) in this test's network namespace, and three guards, each on a host of its own (a network namespace joined by a veth pair,
 //! `common::netns`) and in a freezer cgroup of its own. Every guard runs with `--wait`, the backend's
 //! short timings and the default takeover setting (`auto`), as `docker compose up --scale app=3`
 //! with a restart policy would run them: a guard that exits is started again. A guard reaches the
 //! servers through a relay at its link's far end; the relay can slow the link (the kernel here has
-//! no `netem`).
+//! no `netem`). A Sentinel guard is told the primary's loopback address, so its host also has a
+//! forwarder on each of the group's loopback ports to that server's relay.
 //!
 //! Every app appends its start, its beats (every 50ms) and its stop, stamped with `CLOCK_MONOTONIC`
 //! (one clock for every namespace of the host), to one history file; the nemesis appends each
