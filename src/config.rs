@@ -782,6 +782,25 @@ mod tests {
             assert!(!error.contains("hunter2"), "{raw}: {error}");
             assert!(error.contains("=***"), "{raw}: {error}");
         }
+        // A short credential, and one echoed as written (percent-encoded), are scrubbed too.
+        let Ok(Target::Mysql(t)) = Target::parse("mysql://guard:p%40ss@db/app", "sg") else {
+            panic!("not mysql")
+        };
+        assert_eq!(t.url.scrub("as guard:p%40ss, p@ss"), "as guard:***, ***");
+        let url =
+            url::Url::parse("postgres://guard@db/app?sslmode=disable&password=a%2Fb").unwrap();
+        let shown = urls::RedactedUrl::of(&url);
+        assert_eq!(
+            shown.to_string(),
+            "postgres://guard@db/app?sslmode=disable&***=***"
+        );
+        assert_eq!(shown.scrub("password=a%2Fb or a/b"), "password=*** or ***");
+        let url = url::Url::parse("mysql://guard@db/app?pwd=ab&apikey=abXY12zz").unwrap();
+        assert_eq!(
+            urls::RedactedUrl::of(&url).scrub("abXY12zz"),
+            "***",
+            "a short secret inside a longer one"
+        );
         // A password with a character a URL parser ends the credentials at, or an @ in a path or
         // query: refused, never guessed (it could name another server), and never shown.
         for raw in [

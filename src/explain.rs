@@ -302,15 +302,10 @@ fn lease(
     let bound = t.ttl + t.grace_period;
     let stop_at = validity.saturating_sub(t.grace_period);
     let quantities = lease_quantities(t);
-    // A renewal is due every renew-interval and bounded by check-timeout; on Redis a role query of
-    // half a check-timeout goes first, and a "not owner" answer counts however late it comes.
-    let noticed_loss = t.renew_interval
-        + t.check_timeout
-        + if etcd {
-            Duration::ZERO
-        } else {
-            t.check_timeout / 2
-        };
+    // A renewal is due every renew-interval and bounded by check-timeout, whatever it asks (Redis:
+    // the sentinels, the script that reads the role, `ROLE` where `INFO` is refused); a "not owner"
+    // answer counts however late it comes.
+    let noticed_loss = t.renew_interval + t.check_timeout;
     let stopped_after_loss = (noticed_loss + t.grace_period).min(validity);
     let taken_away = delay_after_loss(delay, bound);
     let mut faults = vec![

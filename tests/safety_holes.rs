@@ -77,17 +77,106 @@ fn a_read_only_server_is_refused_at_start() {
 /// renewals would go on succeeding while the new primary's copy of the lease runs out.
 #[test]
 fn a_redis_primary_demoted_to_a_writable_replica_is_a_lost_lock() {
+    redis_primary_demoted_is_a_lost_lock(false, "no");
+}
+
+/// The same with `INFO` refused to the guard's user, which leaves its renewal script blind to the
+/// role: the guard asks `ROLE` after the renewal.
+#[test]
+fn a_redis_primary_demoted_is_a_lost_lock_without_info() {
+    redis_primary_demoted_is_a_lost_lock(true, "no");
+}
+
+/// A replica that refuses writes: the renewal script finds the role before it writes.
+#[test]
+fn a_redis_primary_demoted_to_a_read_only_replica_is_a_lost_lock() {
+    redis_primary_demoted_is_a_lost_lock(false, "yes");
+}
+
+/// A standby waiting on a single server keeps its connection between attempts; that server, demoted
+/// to a replica that accepts writes, must not grant it the lock its new primary may grant too.
+#[test]
+fn a_standby_is_never_granted_the_lock_by_a_demoted_server() {
+    standby_on_a_demoted_server(false);
+}
+
+/// The same with `INFO` refused to the guard's user: `ROLE` is asked before a grant counts.
+#[test]
+fn a_standby_is_never_granted_the_lock_by_a_demoted_server_without_info() {
+    standby_on_a_demoted_server(true);
+}
+
+fn standby_on_a_demoted_server(without_info: bool) {
+    let old = Redis::start();
+    let new = Redis::start();
+    let mut lab = Lab::new();
+    let trace = lab.path("trace");
+    let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
+    let mut url = old.url();
+    if without_info {
+        old.cli(&[
+            "ACL", "SETUSER", "guard", "on", ">pw", "~*", "&*", "+@all", "-info",
+        ]);
+        url = url.replacen("redis://", "redis://guard:pw@", 1);
+    }
+    let mut args = vec!["--url", url.as_str(), "--name", "demoted"];
+    args.extend_from_slice(REDIS_LEASE);
+    let mut leader = lab.spawn(&args, &as_strs(&recording_app(&trace, &lead_pid)));
+    read_pid(&lead_pid, Duration::from_secs(10));
+    args.extend_from_slice(&["--takeover-delay", "0s"]);
+    let standby = waiting_standby(
+        &mut lab,
+        &args,
+        &as_strs(&recording_app(&trace, &standby_pid)),
+    );
+
+    old.cli(&["CONFIG", "SET", "replica-read-only", "no"]);
+    let port = new.url().rsplit(':').next().unwrap().to_owned();
+    old.cli(&["REPLICAOF", "127.0.0.1", &port]);
+    assert_eq!(
+        leader.code(Duration::from_secs(10)),
+        75,
+        "{}",
+        leader.log_text()
+    );
+    // The lease is gone from the demoted server (its data is its new primary's): every attempt
+    // would be granted there.
+    assert!(
+        wait_until(Duration::from_secs(10), || standby
+            .log_text()
+            .contains("the server answers as a replica")),
+        "{}",
+        standby.log_text()
+    );
+    assert!(
+        !wait_until(Duration::from_secs(3), || standby_pid.exists()),
+        "the standby started its app on a replica: {}",
+        standby.log_text()
+    );
+}
+
+fn redis_primary_demoted_is_a_lost_lock(without_info: bool, replica_read_only: &str) {
     let old = Redis::start();
     let new = Redis::start();
     let mut lab = Lab::new();
     let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
-    let url = old.url();
+    let mut url = old.url();
+    if without_info {
+        old.cli(&[
+            "ACL", "SETUSER", "guard", "on", ">pw", "~*", "&*", "+@all", "-info",
+        ]);
+        url = url.replacen("redis://", "redis://guard:pw@", 1);
+    }
     let mut args = vec!["--url", url.as_str(), "--name", "demoted"];
     args.extend_from_slice(REDIS_LEASE);
     let mut leader = lab.spawn(&args, &as_strs(&recording_app(&trace, &pidfile)));
     let app = read_pid(&pidfile, Duration::from_secs(10));
 
-    old.cli(&["CONFIG", "SET", "replica-read-only", "no"]);
+    // As a failover leaves it: the new primary holds the lease too, and the old one, turned into its
+    // replica, receives it back; a renewal there finds its own token.
+    let key = "sentinel-guard:{demoted}";
+    new.cli(&["SET", key, &old.cli(&["GET", key]), "PX", "60000"]);
+    old.cli(&["CONFIG", "SET", "replica-read-only", replica_read_only]);
     let port = new.url().rsplit(':').next().unwrap().to_owned();
     old.cli(&["REPLICAOF", "127.0.0.1", &port]);
 

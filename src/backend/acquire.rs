@@ -176,7 +176,17 @@ pub(super) async fn acquire_lease<B: LeaseTry>(
     let mut answered = false;
     // Whether an earlier attempt may have been sent, whose lease a lost reply would leave.
     let mut maybe_sent = false;
-    let (mut contention, mut backoff) = (Contention::new(&**request.observer), Backoff::new());
+    let mut contention = Contention::new(&**request.observer);
+    // A grant whose answer was lost is found again by the next attempt only while it lasts (Redis
+    // answers it as it was granted, so a clean hand-over stays instant; run out, it is a lease that
+    // expired, and the hand-over waits). The rest of the failed attempt, the next one's connect and
+    // its answer all come between: the pause leaves room for them.
+    let timings = request.timings;
+    let mut backoff = Backoff::up_to(
+        timings
+            .ttl
+            .saturating_sub(timings.connect_timeout + 3 * timings.check_timeout),
+    );
     loop {
         let failure = match backend.attempt().await {
             Ok(LeaseAnswer::Granted(grant)) => {
@@ -282,6 +292,7 @@ impl Contention<'_> {
 /// Retry pacing for a standby whose own backend connection failed: never a busy loop.
 pub struct Backoff {
     next: Duration,
+    max: Duration,
 }
 
 impl Backoff {
@@ -289,8 +300,15 @@ impl Backoff {
     const MAX: Duration = Duration::from_secs(30);
 
     pub fn new() -> Backoff {
+        Backoff::up_to(Backoff::MAX)
+    }
+
+    /// Pauses that grow no longer than `max`, within the first pause and `Backoff::MAX`: never a
+    /// busy loop, whatever the timings.
+    pub fn up_to(max: Duration) -> Backoff {
         Backoff {
             next: Backoff::FIRST,
+            max: max.clamp(Backoff::FIRST, Backoff::MAX),
         }
     }
 
@@ -300,10 +318,16 @@ impl Backoff {
 
     /// Logs the failure and sleeps for the current step, within what patience has left.
     pub async fn pause(&mut self, error: &LockError, patience: Patience) {
-        let pause = patience.cap(self.next);
+        let pause = patience.cap(self.step());
         warn!(event = "backend_retry", error = %error, retry_in = %crate::vocab::show_duration(pause), "lock backend failed while waiting; retrying");
         tokio::time::sleep(pause).await;
-        self.next = (self.next * 2).min(Backoff::MAX);
+    }
+
+    /// The current pause; the next one is twice as long, up to the ceiling.
+    fn step(&mut self) -> Duration {
+        let pause = self.next;
+        self.next = (self.next * 2).min(self.max);
+        pause
     }
 }
 
@@ -332,5 +356,28 @@ where
             Err(unsafe_server @ LockError::Unsafe(_)) => return Err(unsafe_server),
             Err(e) => error = e,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pauses(mut backoff: Backoff) -> Vec<u64> {
+        (0..10).map(|_| backoff.step().as_millis() as u64).collect()
+    }
+
+    #[test]
+    fn pauses_double_up_to_their_ceiling_and_never_below_the_first() {
+        assert_eq!(
+            pauses(Backoff::up_to(Duration::from_secs(2))),
+            [250, 500, 1000, 2000, 2000, 2000, 2000, 2000, 2000, 2000]
+        );
+        assert_eq!(pauses(Backoff::up_to(Duration::ZERO)), [250; 10]);
+        assert_eq!(
+            pauses(Backoff::up_to(Duration::from_secs(86_400)))[9],
+            30_000
+        );
+        assert_eq!(pauses(Backoff::new()), pauses(Backoff::up_to(Backoff::MAX)));
     }
 }

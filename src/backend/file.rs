@@ -457,8 +457,7 @@ fn io_error(path: &Path, e: std::io::Error) -> LockError {
 }
 
 fn describe_holder(file: &mut File, locked_by: Option<u32>) -> HolderInfo {
-    let mut text = String::new();
-    let _ = file.read_to_string(&mut text);
+    let text = record::read_text(file).unwrap_or_default();
     let info = match locked_by {
         Some(pid) => HolderInfo::default().with("locked_by_pid", pid),
         None => HolderInfo::default(),

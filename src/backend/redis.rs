@@ -53,11 +53,11 @@ mod lease;
 mod scripts;
 pub use acquire::acquire;
 use conn::{
-    bound, connect, connected, forget_demoted, is_permanent, lock_error, millis, no_answer,
-    subscribe, wait_for_release, Conn, ScriptCall,
+    answers_as_primary, bound, connect, connected, forget_demoted, is_permanent, lock_error,
+    millis, no_answer, subscribe, wait_for_release, Conn, ScriptCall,
 };
 use lease::{Lease, ScriptFailure};
-use scripts::{ACQUIRE, CLAIM, RECORD_END, RELEASE, RENEW};
+use scripts::{ACQUIRE, CLAIM, NOT_PRIMARY, RECORD_END, RELEASE, RENEW, RENEWED_ROLE_UNASKED};
 /// A standby re-checks a held lease at least this often, and when it is due to expire.
 const MAX_POLL: Duration = Duration::from_secs(1);
 /// Spreads standbys that wake for the same expiry.

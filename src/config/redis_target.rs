@@ -368,6 +368,7 @@ mod tests {
             "redis+sentinel://u:***@10.0.0.1,[::1]:26380/mymaster/2"
         );
         assert_eq!(t.url.scrub("denied for s@cret"), "denied for ***");
+        assert_eq!(t.url.scrub("no user u:s%40cret"), "no user u:***");
         let Spec::Sentinel {
             sentinels,
             group,

@@ -82,26 +82,21 @@ impl RedactedUrl {
             Some(None) => (userinfo.unwrap_or_default(), None),
             None => ("", None),
         };
-        let password = password.filter(|p| !p.is_empty()).map(|p| {
-            percent_encoding::percent_decode_str(p)
-                .decode_utf8_lossy()
-                .into_owned()
-        });
-        let credentials = match (userinfo, &password) {
+        let password = password.filter(|p| !p.is_empty());
+        let credentials = match (userinfo, password) {
             (None, _) => String::new(),
             (Some(_), Some(_)) => format!("{user}:***@"),
             (Some(_), None) => format!("{user}@"),
         };
-        let mut secrets: Vec<String> = password.into_iter().collect();
+        let mut secrets = Vec::new();
+        if let Some(password) = password {
+            keep_secret(&mut secrets, password);
+        }
         let path = match path.split_once('?') {
             Some((path, query)) => format!("{path}?{}", masked_query(query, &mut secrets)),
             None => path.to_owned(),
         };
-        secrets.retain(|secret| !secret.is_empty());
-        RedactedUrl {
-            shown: format!("{scheme}://{credentials}{hosts}{path}"),
-            secrets,
-        }
+        RedactedUrl::new(format!("{scheme}://{credentials}{hosts}{path}"), secrets)
     }
 
     pub(super) fn of(url: &url::Url) -> RedactedUrl {
@@ -109,11 +104,7 @@ impl RedactedUrl {
         let mut secrets = Vec::new();
         if let Some(password) = url.password() {
             let _ = shown.set_password(Some("***"));
-            secrets.push(
-                percent_encoding::percent_decode_str(password)
-                    .decode_utf8_lossy()
-                    .into_owned(),
-            );
+            keep_secret(&mut secrets, password);
         }
         if let Some(query) = url.query() {
             shown.set_query(Some(&masked_query(query, &mut secrets)));
@@ -123,11 +114,15 @@ impl RedactedUrl {
             secrets.push(fragment.to_owned());
             shown.set_fragment(Some("***"));
         }
+        RedactedUrl::new(shown.to_string(), secrets)
+    }
+
+    /// Longest first: a short secret inside a longer one must not leave the rest of that one showing.
+    fn new(shown: String, mut secrets: Vec<String>) -> RedactedUrl {
         secrets.retain(|secret| !secret.is_empty());
-        RedactedUrl {
-            shown: shown.to_string(),
-            secrets,
-        }
+        secrets.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
+        secrets.dedup();
+        RedactedUrl { shown, secrets }
     }
 
     /// `message` with every occurrence of a secret replaced.
@@ -150,6 +145,16 @@ impl fmt::Display for RedactedUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.shown)
     }
+}
+
+/// Keeps a secret as written in the URL (percent-encoded) and as decoded: a message may echo either.
+fn keep_secret(secrets: &mut Vec<String>, raw: &str) {
+    secrets.push(raw.to_owned());
+    secrets.push(
+        percent_encoding::percent_decode_str(raw)
+            .decode_utf8_lossy()
+            .into_owned(),
+    );
 }
 
 /// Refuses a MySQL, PostgreSQL or Redis URL with an `@` after the first `/`, `?` or `#` of its
@@ -179,7 +184,8 @@ pub(super) fn unambiguous_credentials(raw: &str) -> Result<(), ConfigError> {
 /// A URL's query as it may be printed: the values of the parameters known to hold no secret, and
 /// `***` for every other (a driver that refuses `?password=`, or a misspelt `?pasword=`, echoes the
 /// URL). The hidden values join `secrets`, so a message that repeats one is scrubbed too; values
-/// too short to be a credential stay out, or every `1` of a message would be scrubbed.
+/// too short to be a credential stay out (or every `1` of a message would be scrubbed), unless their
+/// parameter names a credential.
 fn masked_query(query: &str, secrets: &mut Vec<String>) -> String {
     const CREDENTIAL_WORDS: &[&str] = &["password", "pass", "pwd", "token", "secret"];
     const SHOWN: &[&str] = &[
@@ -213,19 +219,22 @@ fn masked_query(query: &str, secrets: &mut Vec<String>) -> String {
                     .unwrap_or_default()
             };
             let name = decode(key);
-            if SHOWN.contains(&name.to_ascii_lowercase().as_str()) {
+            let lowercase = name.to_ascii_lowercase();
+            if SHOWN.contains(&lowercase.as_str()) {
                 pair.to_owned()
             } else {
-                let value = decode(value);
-                if value.len() >= 4 {
-                    secrets.push(value);
+                let credential = CREDENTIAL_WORDS.contains(&lowercase.as_str());
+                // A credential's value is a secret however short; any other value only from four
+                // characters on.
+                if credential || decode(value).len() >= 4 {
+                    // As written, as a form decodes it (`+` a space), as a driver does (`+` kept).
+                    keep_secret(secrets, value);
+                    secrets.push(decode(value));
                 }
                 // The name too: `?password=Xy7&kP9qRt` makes a parameter of a password's tail,
                 // and a driver that refuses it names it. Only the words that say a credential
                 // follows stay out of the scrubbing, so messages keep them.
-                if !CREDENTIAL_WORDS.contains(&name.to_ascii_lowercase().as_str())
-                    && name.len() >= 4
-                {
+                if !credential && name.len() >= 4 {
                     secrets.push(name);
                 }
                 "***=***".to_owned()

@@ -48,12 +48,28 @@ impl FileIdentity {
     }
 }
 
+/// Far above a record's two lines: a lock file grown past it (written to by something else) is read
+/// only this far, so it cannot fill the guard's memory; whatever record it holds beyond counts as
+/// none, and the hand-over waits.
+const MAX_RECORD_LEN: u64 = 64 << 10;
+
+/// The file's text from where it is read, at most `MAX_RECORD_LEN` bytes of it; a character cut
+/// at that end (or any byte that is not UTF-8) spoils only itself, not the lines before it.
+pub(super) fn read_text(file: &mut File) -> Option<String> {
+    let mut bytes = Vec::new();
+    file.take(MAX_RECORD_LEN).read_to_end(&mut bytes).ok()?;
+    Some(String::from_utf8_lossy(&bytes).into_owned())
+}
+
 /// The claim line and the lock line of the record, where there are.
 pub(super) fn read_records(file: &mut File) -> (Option<Claim>, Option<LockLine>) {
-    let mut text = String::new();
-    if file.seek(SeekFrom::Start(0)).is_err() || file.read_to_string(&mut text).is_err() {
+    let Some(text) = file
+        .seek(SeekFrom::Start(0))
+        .ok()
+        .and_then(|_| read_text(file))
+    else {
         return (None, None);
-    }
+    };
     (
         text.lines().find_map(Claim::parse),
         text.lines().find_map(LockLine::parse),

@@ -22,6 +22,15 @@ fn redis_failure(target: &RedisTarget, e: &RedisError) -> LeaseFailure {
     }
 }
 
+/// A failed attempt: the server is a replica (a primary demoted under a kept connection).
+fn not_primary(target: &RedisTarget) -> LeaseFailure {
+    LeaseFailure {
+        error: LockError::Unreachable(format!("{}: the server answers as a replica", target.url)),
+        permanent: false,
+        sent_nothing: false,
+    }
+}
+
 /// A failed attempt: no answer within `limit`.
 fn silent_failure(target: &RedisTarget, limit: Duration) -> LeaseFailure {
     LeaseFailure {
@@ -160,9 +169,9 @@ async fn attempt(
     };
     let sent = Deadline::now();
     let wait = replicas_wait(target, timings.check_timeout);
-    let ((fence, previous, recorded), acked) = match timeout(
+    let ((fence, previous, recorded, role_read), acked) = match timeout(
         timings.check_timeout,
-        conn.call::<(i64, i64, u64)>(keys, call, wait),
+        conn.call::<(i64, i64, u64, i64)>(keys, call, wait),
     )
     .await
     {
@@ -185,10 +194,30 @@ async fn attempt(
             sent_nothing: false,
         });
     }
+    if fence == NOT_PRIMARY {
+        return Err(not_primary(target));
+    }
     // A retry that finds its own grant is answered as that grant was (the lock's value keeps what
     // it found of the previous holder; a release only on the same dataset): a lost or late answer
     // costs no knowledge.
     let previous = previous_of(target, timings, previous, recorded);
+    // A grant from a server whose role the script could not read: a replica with
+    // `replica-read-only no` (a primary demoted under a standby's kept connection) grants what its
+    // primary may have granted too.
+    if fence > 0 && role_read == 0 {
+        let left = timings.check_timeout.saturating_sub(sent.elapsed());
+        match answers_as_primary(target, &mut conn, left).await {
+            Ok(true) => {}
+            Ok(false) => return Err(not_primary(target)),
+            Err(failure) => {
+                return Err(LeaseFailure {
+                    error: LockError::Unreachable(format!("{}: {}", target.url, failure.message)),
+                    permanent: false,
+                    sent_nothing: false,
+                })
+            }
+        }
+    }
     // A late answer (the guard was frozen meanwhile) is asked again: the script is idempotent for
     // our token, and the next answer dates the lease afresh.
     if sent.elapsed() > timings.check_timeout {

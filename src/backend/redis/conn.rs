@@ -208,6 +208,36 @@ async fn named_primary(
         .await
 }
 
+/// `ROLE` on a connection whose script wrote without reading the server's role (`INFO` refused by an
+/// ACL; `ROLE` was allowed at connect): whether the server answers as a primary, within `limit`. A
+/// Cluster connection reaches primaries only: a replica answers `MOVED`.
+pub(super) async fn answers_as_primary(
+    target: &RedisTarget,
+    conn: &mut Conn,
+    limit: Duration,
+) -> Result<bool, ScriptFailure> {
+    let (Conn::Node(conn) | Conn::Primary { conn, .. }) = conn else {
+        return Ok(true);
+    };
+    match timeout(limit, redis::cmd("ROLE").query_async::<Role>(conn)).await {
+        Ok(Ok(role)) => Ok(matches!(role, Role::Primary { .. })),
+        Ok(Err(e)) => Err(ScriptFailure {
+            outcome: CheckOutcome::Error,
+            message: format!(
+                "the server's role could not be read: {}",
+                target.url.scrub(e)
+            ),
+        }),
+        Err(_) => Err(ScriptFailure {
+            outcome: CheckOutcome::Timeout,
+            message: format!(
+                "the server's role could not be read within {}",
+                crate::vocab::show_duration(limit)
+            ),
+        }),
+    }
+}
+
 /// `ROLE` on a new connection: anything but a primary is refused as a read-only server.
 async fn require_primary(
     conn: &mut MultiplexedConnection,
@@ -306,8 +336,9 @@ pub(super) fn lock_error(target: &RedisTarget, e: &RedisError) -> LockError {
         ErrorKind::AuthenticationFailed | ErrorKind::InvalidClientConfig => {
             LockError::Refused(message)
         }
-        // `SELECT` of a database the server does not have: no retry will find it.
-        _ if message.contains("refused to switch database") => LockError::Refused(format!(
+        // `SELECT` of a database the server does not have: no retry will find it. Read in the
+        // server's words, not the scrubbed ones, which a short secret can cut into.
+        _ if e.to_string().contains("refused to switch database") => LockError::Refused(format!(
             "{message} (the URL's /db is beyond the server's `databases` setting)"
         )),
         _ if e.is_timeout() => connect_failure(format!("{message}{}", tls_hint(target))),

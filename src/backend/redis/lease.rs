@@ -34,17 +34,7 @@ impl Renewable for Lease {
 
     async fn renew_at(&mut self, at: Deadline) -> Renewed {
         deadline::sleep_until(at).await;
-        // Sent before the role is asked, so the time it takes counts against the renewal's budget
-        // and the lease is counted from no later than the question.
         let sent = Deadline::now();
-        if let Some(role) = self.demoted().await {
-            return Renewed::Lost(LockLoss {
-                reason: LossReason::PrimaryDemoted,
-                detail: format!(
-                    "the server now answers ROLE as {role}: it was demoted from primary while holding the lock"
-                ),
-            });
-        }
         let mut renew = ScriptCall::new(RENEW, &[self.keys.lock.as_str(), &self.keys.lease]);
         renew
             .arg(&self.token)
@@ -53,14 +43,17 @@ impl Renewable for Lease {
             .arg(millis(bound(&self.timings)));
         let wait = replicas_wait(&self.target, self.timings.check_timeout);
         let result = match self.bounded(&renew, wait).await {
-            Ok((1, acked)) => match replicated(&self.target, acked, self.timings.check_timeout) {
-                Ok(()) => Ok(1),
-                Err(failure) => {
-                    // The connection's next write would be waited on with this one unconfirmed.
-                    self.conn = None;
-                    Err(failure)
+            Ok((answer @ (1 | RENEWED_ROLE_UNASKED), acked)) => {
+                match replicated(&self.target, acked, self.timings.check_timeout) {
+                    Ok(()) if answer == 1 => Ok(1),
+                    Ok(()) => self.role_after(sent).await,
+                    Err(failure) => {
+                        // The connection's next write would be waited on with this one unconfirmed.
+                        self.conn = None;
+                        Err(failure)
+                    }
                 }
-            },
+            }
             answered => answered.map(|(answer, _)| answer),
         };
         let outcome = match &result {
@@ -72,6 +65,7 @@ impl Renewable for Lease {
         self.observer.check(outcome, took);
         match result {
             Ok(1) => Renewed::Confirmed { sent },
+            Ok(NOT_PRIMARY) => self.demoted(),
             Ok(_) => Renewed::Lost(LockLoss {
                 reason: LossReason::NotOwner,
                 detail: format!("{} is gone, expired or holds another token", self.keys.lock),
@@ -103,33 +97,44 @@ impl Renewable for Lease {
 }
 
 impl Lease {
-    /// The role of the server a kept connection reaches, if it is no longer the primary. A replica
-    /// configured with `replica-read-only no` would go on accepting the renewals while the new
-    /// primary's copy of the key runs out; the sentinels may not be there to say so. (New
-    /// connections check `ROLE` as they are made; Cluster nodes answer `MOVED`.) Without an answer
-    /// the renewal itself finds out what is wrong.
-    async fn demoted(&mut self) -> Option<&'static str> {
-        let (conn, sentinel) = match self.conn.as_mut() {
-            Some(Conn::Node(conn)) => (conn, false),
-            Some(Conn::Primary { conn, .. }) => (conn, true),
-            _ => return None,
+    /// A renewal whose script could not read the server's role (`INFO` refused): `ROLE` after it,
+    /// within what is left of the renewal's budget. No answer confirms nothing.
+    async fn role_after(&mut self, sent: Deadline) -> Result<i64, ScriptFailure> {
+        let left = self.timings.check_timeout.saturating_sub(sent.elapsed());
+        let Some(conn) = self.conn.as_mut() else {
+            return Err(ScriptFailure {
+                outcome: CheckOutcome::Error,
+                message: "the connection was gone before its role was read".to_owned(),
+            });
         };
-        let role = timeout(
-            self.timings.check_timeout / 2,
-            redis::cmd("ROLE").query_async::<Role>(conn),
-        )
-        .await;
-        match role {
-            Ok(Ok(Role::Primary { .. })) | Ok(Err(_)) | Err(_) => None,
-            // With Sentinel a demoted node is a failover to ride through: the renewal reconnects
-            // to the primary the sentinels name, and counts only where the token is still ours.
-            Ok(Ok(_)) if sentinel => {
+        match answers_as_primary(&self.target, conn, left).await {
+            Ok(true) => Ok(1),
+            Ok(false) => Ok(NOT_PRIMARY),
+            Err(failure) => {
                 self.conn = None;
-                None
+                Err(failure)
             }
-            Ok(Ok(Role::Replica { .. })) => Some("a replica"),
-            Ok(Ok(_)) => Some("something other than a primary"),
         }
+    }
+
+    /// The server the renewal reached answered as a replica. A server addressed directly that was
+    /// demoted while holding the lock has lost it: configured with `replica-read-only no` it would
+    /// go on accepting the renewals while the new primary's copy of the key runs out, and the
+    /// sentinels may not be there to say so. Behind Sentinel (or in a Cluster) a demoted node is a
+    /// failover to ride through: the next renewal goes to the primary they name, and counts only
+    /// where the token is still ours.
+    fn demoted(&mut self) -> Renewed {
+        self.conn = None;
+        if matches!(self.target.servers, RedisServers::Primary(_)) {
+            return Renewed::Lost(LockLoss {
+                reason: LossReason::PrimaryDemoted,
+                detail: "the server answers as a replica: it was demoted from primary while holding the lock"
+                    .to_owned(),
+            });
+        }
+        Renewed::Failed(
+            "the server answers as a replica; the renewal goes to the new primary".to_owned(),
+        )
     }
 
     /// Runs one script call (and the `WAIT` after it, if any) within check-timeout, on the kept

@@ -25,7 +25,9 @@ end
 ///
 /// The value is `<token> fence=<n> found=<previous>/<bound>/<dataset> <holder>`; the token is its
 /// first word.
-/// Returns `{fence, previous, bound}`: fence 0 when held by another token. `previous` is 1 when the
+/// Returns `{fence, previous, bound, role_read}`: fence 0 when held by another token; `role_read` 0
+/// when `INFO` named no role (refused by an ACL), which the guard then asks with `ROLE` before it
+/// counts a grant. `previous` is 1 when the
 /// previous lease was released by its owner (its fence is the one recorded in the clean key), 2 when
 /// it ran out: the lease record (`<fence> <expiry µs> <bound ms>`, written at every grant and
 /// renewal) says its expiry has passed on the server's clock; else 0, as after a `DEL` of a live
@@ -42,7 +44,8 @@ end
 /// leases, and proves nothing; so does one written where `INFO` is not allowed (an ACL without
 /// `+info`): the hand-over then waits.
 /// Fence -1 is a counter set back below a token its records hold (`{-1, counter, recorded}`):
-/// nothing is written then. A counter that is missing while its records remain (evicted under an
+/// nothing is written then; nor with fence `NOT_PRIMARY` (-2), from a server whose `INFO` says it is
+/// a replica (one with `replica-read-only no` would grant the lock that its primary may hold too). A counter that is missing while its records remain (evicted under an
 /// `allkeys-*` policy) is not set back: it resumes above them, and the hand-over waits.
 ///
 /// Fencing tokens never go backwards, even when the server loses its data or a failover loses the
@@ -53,6 +56,12 @@ end
 pub(super) const ACQUIRE: &str = concat!(
     dataset_lua!(),
     r"
+local ok, replication = pcall(redis.call, 'INFO', 'replication')
+local role = ok and string.match(replication, 'role:(%w+)')
+if role and role ~= 'master' then
+  return {-2, 0, 0, 1}
+end
+local known = role and 1 or 0
 local now = redis.call('TIME')
 local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local function record(fence)
@@ -69,9 +78,9 @@ if current then
     if found == '1' and (found_in == '' or found_in ~= dataset()) then
       found = '0'
     end
-    return {tonumber(fence), tonumber(found or '0'), tonumber(found_bound or '0')}
+    return {tonumber(fence), tonumber(found or '0'), tonumber(found_bound or '0'), known}
   end
-  return {0, 0, 0}
+  return {0, 0, 0, known}
 end
 local previous = redis.call('GET', KEYS[2])
 local counter = tonumber(previous or '0')
@@ -79,7 +88,7 @@ local clean, clean_set = string.match(redis.call('GET', KEYS[3]) or '', '^(%d+) 
 local f, expiry, b = string.match(redis.call('GET', KEYS[4]) or '', '^(%d+) (%d+) (%d+)')
 local recorded = math.max(tonumber(clean or '0'), tonumber(f or '0'))
 if previous and recorded > counter then
-  return {-1, counter, recorded}
+  return {-1, counter, recorded, known}
 end
 local status, bound = 0, 0
 local here = dataset()
@@ -99,23 +108,41 @@ redis.call('SET', KEYS[2], fenced)
 local found = ' found=' .. status .. '/' .. string.format('%.0f', bound) .. '/' .. here
 redis.call('SET', KEYS[1], ARGV[1] .. ' fence=' .. fenced .. found .. ' ' .. ARGV[2], 'NX', 'PX', ARGV[3])
 record(fenced)
-return {fence, status, bound}
+return {fence, status, bound, known}
 "
 );
 
 /// KEYS: lock, lease record. ARGV: token, ttl (ms), fence, this holder's bound (ms). The lease
 /// record follows the lease's expiry, so the next holder can tell a lease that ran out from one
-/// taken away.
+/// taken away. Returns 1 when renewed on a primary, 0 when the key is gone or holds another token,
+/// and `NOT_PRIMARY` when the server is a replica: a replica with `replica-read-only no` would take
+/// the renewal, and the role is read in the same step, so no answer about it can be older than the
+/// renewal it vouches for. Where `INFO` is refused (an ACL without `+info`) or names no role, the
+/// renewal answers `RENEWED_ROLE_UNASKED`, and the guard asks `ROLE` after it.
 pub(super) const RENEW: &str = r"
+local ok, replication = pcall(redis.call, 'INFO', 'replication')
+local role = ok and string.match(replication, 'role:(%w+)')
+if role and role ~= 'master' then
+  return -2
+end
 local current = redis.call('GET', KEYS[1])
 if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
   local now = redis.call('TIME')
   local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
   redis.call('SET', KEYS[2], ARGV[3] .. ' ' .. string.format('%.0f', micros + tonumber(ARGV[2]) * 1000) .. ' ' .. ARGV[4])
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if role then
+    return 1
+  end
+  return 3
 end
 return 0
 ";
+
+/// `RENEW`'s answer from a replica (`ACQUIRE`'s fence too).
+pub(super) const NOT_PRIMARY: i64 = -2;
+/// `RENEW`'s answer when it renewed on a server whose role it could not read.
+pub(super) const RENEWED_ROLE_UNASKED: i64 = 3;
 
 /// KEYS: lock, clean marker, release channel (a channel, listed for cluster routing). The marker
 /// names the dataset that wrote it (`ACQUIRE`).
