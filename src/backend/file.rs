@@ -8,7 +8,7 @@
 use async_trait::async_trait;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -371,35 +371,17 @@ fn look(path: &Path) -> Result<Option<File>, LockError> {
     )))
 }
 
-/// Opens for real the regular file `look` found, and no other: through `/proc/self/fd`, which names
-/// the very inode looked at, so a path swapped meanwhile cannot slip a FIFO or a device in. Without
-/// /proc, the path itself, and the inode compared afterwards.
+/// Opens for real the regular file `look` found, and no other (`input_file::reopen`).
 fn reopen(path: &Path, found: &File, write: bool) -> Result<File, LockError> {
     let mut options = OpenOptions::new();
     options.read(true).write(write);
-    let by_fd = Path::new("/proc/self/fd").join(found.as_raw_fd().to_string());
-    // The fd's link is followed, as it must be: it is not the path, but the inode itself.
-    let opened = options
-        .clone()
-        .custom_flags(nix::libc::O_NOCTTY | nix::libc::O_NONBLOCK)
-        .open(&by_fd);
-    match opened {
-        Ok(file) => Ok(file),
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(open_error(path, e)),
-        Err(_) => {
-            let file = options
-                .custom_flags(SAFE_OPEN)
-                .open(path)
-                .map_err(|e| open_error(path, e))?;
-            let same = |f: &File| f.metadata().ok().map(|m| (m.dev(), m.ino()));
-            if same(&file).is_none() || same(&file) != same(found) {
-                return Err(LockError::Refused(format!(
-                    "{}: was replaced while the guard opened it; try again",
-                    path.display()
-                )));
-            }
-            Ok(file)
-        }
+    match crate::input_file::reopen(path, found, &options, nix::libc::O_NOFOLLOW) {
+        Ok(Some(file)) => Ok(file),
+        Ok(None) => Err(LockError::Refused(format!(
+            "{}: was replaced while the guard opened it; try again",
+            path.display()
+        ))),
+        Err(e) => Err(open_error(path, e)),
     }
 }
 
