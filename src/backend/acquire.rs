@@ -180,7 +180,7 @@ pub(super) async fn acquire_lease<B: LeaseTry>(
     // A grant whose answer was lost is found again by the next attempt only while it lasts (Redis
     // answers it as it was granted, so a clean hand-over stays instant; run out, it is a lease that
     // expired, and the hand-over waits). The rest of the failed attempt, the next one's connect and
-    // its answer all come between: the pause leaves room for them.
+    // its answer all come between: the pause leaves room for them, as far as a second allows.
     let timings = request.timings;
     let mut backoff = Backoff::up_to(
         timings
@@ -297,18 +297,20 @@ pub struct Backoff {
 
 impl Backoff {
     const FIRST: Duration = Duration::from_millis(250);
+    /// The lowest ceiling: however short the lease, a long outage is retried (and logged) at most
+    /// once a second.
+    const MIN_CEILING: Duration = Duration::from_secs(1);
     const MAX: Duration = Duration::from_secs(30);
 
     pub fn new() -> Backoff {
         Backoff::up_to(Backoff::MAX)
     }
 
-    /// Pauses that grow no longer than `max`, within the first pause and `Backoff::MAX`: never a
-    /// busy loop, whatever the timings.
+    /// Pauses that grow no longer than `max`, within `Backoff::MIN_CEILING` and `Backoff::MAX`.
     pub fn up_to(max: Duration) -> Backoff {
         Backoff {
             next: Backoff::FIRST,
-            max: max.clamp(Backoff::FIRST, Backoff::MAX),
+            max: max.clamp(Backoff::MIN_CEILING, Backoff::MAX),
         }
     }
 
@@ -368,12 +370,15 @@ mod tests {
     }
 
     #[test]
-    fn pauses_double_up_to_their_ceiling_and_never_below_the_first() {
+    fn pauses_double_up_to_their_ceiling_which_is_never_below_a_second() {
         assert_eq!(
             pauses(Backoff::up_to(Duration::from_secs(2))),
             [250, 500, 1000, 2000, 2000, 2000, 2000, 2000, 2000, 2000]
         );
-        assert_eq!(pauses(Backoff::up_to(Duration::ZERO)), [250; 10]);
+        assert_eq!(
+            pauses(Backoff::up_to(Duration::ZERO)),
+            [250, 500, 1000, 1000, 1000, 1000, 1000, 1000, 1000, 1000]
+        );
         assert_eq!(
             pauses(Backoff::up_to(Duration::from_secs(86_400)))[9],
             30_000
