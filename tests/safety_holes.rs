@@ -106,21 +106,52 @@ fn a_standby_is_never_granted_the_lock_by_a_demoted_server_without_info() {
     standby_on_a_demoted_server(true);
 }
 
+/// A Redis primary about to be demoted, a server to become its primary, and the old one's URL (for
+/// a user refused `INFO` if `without_info`).
+struct Demotion {
+    old: Redis,
+    new: Redis,
+    url: String,
+}
+
+impl Demotion {
+    fn new(without_info: bool) -> Demotion {
+        let old = Redis::start();
+        let mut url = old.url();
+        if without_info {
+            old.cli(&[
+                "ACL", "SETUSER", "guard", "on", ">pw", "~*", "&*", "+@all", "-info",
+            ]);
+            url = url.replacen("redis://", "redis://guard:pw@", 1);
+        }
+        Demotion {
+            old,
+            new: Redis::start(),
+            url,
+        }
+    }
+
+    fn guard_args(&self) -> Vec<&str> {
+        let mut args = vec!["--url", self.url.as_str(), "--name", "demoted"];
+        args.extend_from_slice(REDIS_LEASE);
+        args
+    }
+
+    /// The old primary made a replica of the new one.
+    fn demote(&self, replica_read_only: &str) {
+        let (old, new) = (&self.old, &self.new);
+        old.cli(&["CONFIG", "SET", "replica-read-only", replica_read_only]);
+        let port = new.url().rsplit(':').next().unwrap().to_owned();
+        old.cli(&["REPLICAOF", "127.0.0.1", &port]);
+    }
+}
+
 fn standby_on_a_demoted_server(without_info: bool) {
-    let old = Redis::start();
-    let new = Redis::start();
+    let demotion = Demotion::new(without_info);
     let mut lab = Lab::new();
     let trace = lab.path("trace");
     let (lead_pid, standby_pid) = (lab.path("lead"), lab.path("standby"));
-    let mut url = old.url();
-    if without_info {
-        old.cli(&[
-            "ACL", "SETUSER", "guard", "on", ">pw", "~*", "&*", "+@all", "-info",
-        ]);
-        url = url.replacen("redis://", "redis://guard:pw@", 1);
-    }
-    let mut args = vec!["--url", url.as_str(), "--name", "demoted"];
-    args.extend_from_slice(REDIS_LEASE);
+    let mut args = demotion.guard_args();
     let mut leader = lab.spawn(&args, &as_strs(&recording_app(&trace, &lead_pid)));
     read_pid(&lead_pid, Duration::from_secs(10));
     args.extend_from_slice(&["--takeover-delay", "0s"]);
@@ -130,9 +161,7 @@ fn standby_on_a_demoted_server(without_info: bool) {
         &as_strs(&recording_app(&trace, &standby_pid)),
     );
 
-    old.cli(&["CONFIG", "SET", "replica-read-only", "no"]);
-    let port = new.url().rsplit(':').next().unwrap().to_owned();
-    old.cli(&["REPLICAOF", "127.0.0.1", &port]);
+    demotion.demote("no");
     assert_eq!(
         leader.code(Duration::from_secs(10)),
         75,
@@ -156,29 +185,21 @@ fn standby_on_a_demoted_server(without_info: bool) {
 }
 
 fn redis_primary_demoted_is_a_lost_lock(without_info: bool, replica_read_only: &str) {
-    let old = Redis::start();
-    let new = Redis::start();
+    let demotion = Demotion::new(without_info);
     let mut lab = Lab::new();
     let (trace, pidfile) = (lab.path("trace"), lab.path("pid"));
-    let mut url = old.url();
-    if without_info {
-        old.cli(&[
-            "ACL", "SETUSER", "guard", "on", ">pw", "~*", "&*", "+@all", "-info",
-        ]);
-        url = url.replacen("redis://", "redis://guard:pw@", 1);
-    }
-    let mut args = vec!["--url", url.as_str(), "--name", "demoted"];
-    args.extend_from_slice(REDIS_LEASE);
-    let mut leader = lab.spawn(&args, &as_strs(&recording_app(&trace, &pidfile)));
+    let mut leader = lab.spawn(
+        &demotion.guard_args(),
+        &as_strs(&recording_app(&trace, &pidfile)),
+    );
     let app = read_pid(&pidfile, Duration::from_secs(10));
 
     // As a failover leaves it: the new primary holds the lease too, and the old one, turned into its
     // replica, receives it back; a renewal there finds its own token.
     let key = "sentinel-guard:{demoted}";
-    new.cli(&["SET", key, &old.cli(&["GET", key]), "PX", "60000"]);
-    old.cli(&["CONFIG", "SET", "replica-read-only", replica_read_only]);
-    let port = new.url().rsplit(':').next().unwrap().to_owned();
-    old.cli(&["REPLICAOF", "127.0.0.1", &port]);
+    let lease = demotion.old.cli(&["GET", key]);
+    demotion.new.cli(&["SET", key, &lease, "PX", "60000"]);
+    demotion.demote(replica_read_only);
 
     assert_eq!(
         leader.code(Duration::from_secs(10)),
