@@ -299,3 +299,41 @@ fn tls_with_the_right_ca_works_and_a_wrong_ca_exits_69() {
     );
     assert!(!marker.exists());
 }
+
+/// A server that lost the guard's scripts (`SCRIPT FLUSH`, as a restart or a promoted replica
+/// would have none) answers the first call `NOSCRIPT`: the script is loaded and the same call made
+/// again, within the same renewal; nothing fails, and the release is made too.
+#[test]
+fn scripts_gone_from_the_server_are_sent_again_within_the_same_call() {
+    let redis = Redis::start();
+    let mut lab = Lab::new();
+    let url = redis.url();
+    let (mut guard, app) = leader(&mut lab, &url, "flushed");
+    redis.cli(&["CONFIG", "RESETSTAT"]);
+    redis.cli(&["SCRIPT", "FLUSH"]);
+    let loads = || {
+        redis
+            .cli(&["INFO", "commandstats"])
+            .lines()
+            .find_map(|line| line.strip_prefix("cmdstat_script|load:calls="))
+            .and_then(|rest| rest.split(',').next()?.parse::<u32>().ok())
+            .unwrap_or(0)
+    };
+    assert!(
+        wait_until(Duration::from_secs(5), || loads() >= 1),
+        "no renewal loaded its script: {}",
+        guard.log_text()
+    );
+    assert!(alive(app));
+    guard.signal(15);
+    assert_eq!(
+        guard.code(Duration::from_secs(5)),
+        0,
+        "{}",
+        guard.log_text()
+    );
+    let log = guard.log_text();
+    assert!(!log.contains("renewal_failed"), "{log}");
+    assert!(log.contains("event=\"lock_released\""), "{log}");
+    assert!(loads() >= 2, "the release did not load its script");
+}

@@ -48,18 +48,23 @@ impl ConnectionLike for Conn {
 }
 
 /// A call of one of the lock's scripts by its hash (`EVALSHA`), keys first: what a
-/// `redis::ScriptInvocation` sends, but a command that can go into a pipeline.
+/// `redis::ScriptInvocation` sends, but a command that can go into a pipeline; and the `SCRIPT LOAD`
+/// that goes before it to a server that lacks the script.
 pub(super) struct ScriptCall {
-    script: Script,
+    load: Cmd,
     evalsha: Cmd,
 }
 
 impl ScriptCall {
     pub(super) fn new(source: &str, keys: &[&str]) -> ScriptCall {
-        let script = Script::new(source);
         let mut evalsha = redis::cmd("EVALSHA");
-        evalsha.arg(script.get_hash()).arg(keys.len()).arg(keys);
-        ScriptCall { script, evalsha }
+        evalsha
+            .arg(Script::new(source).get_hash())
+            .arg(keys.len())
+            .arg(keys);
+        let mut load = redis::cmd("SCRIPT");
+        load.arg("LOAD").arg(source);
+        ScriptCall { load, evalsha }
     }
 
     pub(super) fn arg(&mut self, arg: impl ToRedisArgs) -> &mut ScriptCall {
@@ -73,27 +78,38 @@ impl Conn {
     /// it in the same pipeline and its count comes back too. Together, because a `WAIT` sent on its
     /// own could go down another connection than the script's write (a Cluster client reconnects
     /// and retries by itself): a connection that has written nothing is acknowledged at once. A
-    /// `WAIT` that fails counts no replica. A server that lacks the script is given it, and the
-    /// call is made again.
+    /// `WAIT` that fails counts no replica. A server that lacks the script (restarted, promoted,
+    /// flushed) is sent it in front of the same call, in one pipeline: one round trip more, not two.
     pub(super) async fn call<T: FromRedisValue>(
         &mut self,
         keys: &Keys,
         call: &ScriptCall,
         wait: Option<(u32, Duration)>,
     ) -> Result<(T, Option<i64>), RedisError> {
-        let mut pipe = redis::pipe();
-        pipe.ignore_errors().add_command(call.evalsha.clone());
-        if let Some((replicas, limit)) = wait {
-            // WAIT 0 would block for ever.
-            pipe.cmd("WAIT").arg(replicas).arg(millis(limit).max(1));
-        }
-        let mut answers = self.pipeline(keys, &pipe).await?;
-        if answers.first().is_some_and(no_script) {
-            // The script did not run (the WAIT did, on nothing new): loaded, then all sent again.
-            call.script.load_async(self).await?;
-            answers = self.pipeline(keys, &pipe).await?;
+        let pipe = |load: bool| {
+            let mut pipe = redis::pipe();
+            pipe.ignore_errors();
+            if load {
+                pipe.add_command(call.load.clone());
+            }
+            pipe.add_command(call.evalsha.clone());
+            if let Some((replicas, limit)) = wait {
+                // WAIT 0 would block for ever.
+                pipe.cmd("WAIT").arg(replicas).arg(millis(limit).max(1));
+            }
+            pipe
+        };
+        let mut answers = self.pipeline(keys, &pipe(false)).await?;
+        let load = answers.first().is_some_and(no_script);
+        if load {
+            // The script did not run (the WAIT did, on nothing new).
+            answers = self.pipeline(keys, &pipe(true)).await?;
         }
         let mut answers = answers.into_iter();
+        if load {
+            // Refused (an ACL without `script|load`), it says why the script could not run.
+            answers.next().unwrap_or(Value::Nil).extract_error()?;
+        }
         let script = answers.next().unwrap_or(Value::Nil).extract_error()?;
         let acked = wait.map(|_| {
             answers
