@@ -22,14 +22,17 @@ fn redis_failure(target: &RedisTarget, e: &RedisError) -> LeaseFailure {
     }
 }
 
-/// A failed attempt: the server is a replica (a primary demoted under a kept connection).
-fn not_primary(target: &RedisTarget) -> LeaseFailure {
+/// A failed attempt: the server answered, but not so that a grant can count (`why`).
+fn unconfirmed(target: &RedisTarget, why: &str) -> LeaseFailure {
     LeaseFailure {
-        error: LockError::Unreachable(format!("{}: the server answers as a replica", target.url)),
+        error: LockError::Unreachable(format!("{}: {why}", target.url)),
         permanent: false,
         sent_nothing: false,
     }
 }
+
+/// The server is a replica (a primary demoted under a kept connection).
+const NOT_PRIMARY_SAID: &str = "the server answers as a replica";
 
 /// A failed attempt: no answer within `limit`.
 fn silent_failure(target: &RedisTarget, limit: Duration) -> LeaseFailure {
@@ -195,7 +198,7 @@ async fn attempt(
         });
     }
     if fence == NOT_PRIMARY {
-        return Err(not_primary(target));
+        return Err(unconfirmed(target, NOT_PRIMARY_SAID));
     }
     // A retry that finds its own grant is answered as that grant was (the lock's value keeps what
     // it found of the previous holder; a release only on the same dataset): a lost or late answer
@@ -208,14 +211,8 @@ async fn attempt(
         let left = timings.check_timeout.saturating_sub(sent.elapsed());
         match answers_as_primary(target, &mut conn, left).await {
             Ok(true) => {}
-            Ok(false) => return Err(not_primary(target)),
-            Err(failure) => {
-                return Err(LeaseFailure {
-                    error: LockError::Unreachable(format!("{}: {}", target.url, failure.message)),
-                    permanent: false,
-                    sent_nothing: false,
-                })
-            }
+            Ok(false) => return Err(unconfirmed(target, NOT_PRIMARY_SAID)),
+            Err(failure) => return Err(unconfirmed(target, &failure.message)),
         }
     }
     // A late answer (the guard was frozen meanwhile) is asked again: the script is idempotent for
@@ -225,11 +222,7 @@ async fn attempt(
     }
     if fence > 0 {
         if let Err(failure) = replicated(target, acked, timings.check_timeout) {
-            return Err(LeaseFailure {
-                error: LockError::Unreachable(format!("{}: {}", target.url, failure.message)),
-                permanent: false,
-                sent_nothing: false,
-            });
+            return Err(unconfirmed(target, &failure.message));
         }
         return Ok(Attempt::Won(Grant {
             lease: conn,

@@ -1,16 +1,30 @@
 //! The Lua scripts the Redis lock runs: each reads and writes a lock's keys in one step on the
 //! server, which is what makes them safe against another guard's.
 
-/// The dataset a script runs on, as a Lua function `dataset()`: the server process and its
-/// replication history (`ACQUIRE`), or `''` where `INFO` is refused or says neither.
+/// The server's `INFO replication` as `replication` (`''` where an ACL refuses `INFO`), and the
+/// role it names as `role` (`master`, `slave`; nil where it names none), read once per script.
+macro_rules! replication_lua {
+    () => {
+        r"
+local ok, replication = pcall(redis.call, 'INFO', 'replication')
+if not ok then
+  replication = ''
+end
+local role = string.match(replication, 'role:(%w+)')
+"
+    };
+}
+
+/// The dataset a script runs on, as a Lua function `dataset(replication)` of the text
+/// `replication_lua!` read: the server process and its replication history (`ACQUIRE`), or `''`
+/// where `INFO` is refused or says neither.
 macro_rules! dataset_lua {
     () => {
         r"
-local function dataset()
+local function dataset(replication)
   local ok, server = pcall(redis.call, 'INFO', 'server')
-  local ok2, replication = pcall(redis.call, 'INFO', 'replication')
   local run = ok and string.match(server, 'run_id:(%x+)')
-  local replid = ok2 and string.match(replication, 'master_replid:(%x+)')
+  local replid = string.match(replication, 'master_replid:(%x+)')
   if run and replid then
     return run .. '/' .. replid
   end
@@ -55,9 +69,8 @@ end
 /// is behind the old one's by more than the time the failover took.
 pub(super) const ACQUIRE: &str = concat!(
     dataset_lua!(),
+    replication_lua!(),
     r"
-local ok, replication = pcall(redis.call, 'INFO', 'replication')
-local role = ok and string.match(replication, 'role:(%w+)')
 if role and role ~= 'master' then
   return {-2, 0, 0, 1}
 end
@@ -75,7 +88,7 @@ if current then
     local found, found_bound, found_in = string.match(current, ' found=(%d+)/(%d+)/?(%S*)')
     record(fence)
     -- A release proves something only on the dataset it was seen on; the bound always stands.
-    if found == '1' and (found_in == '' or found_in ~= dataset()) then
+    if found == '1' and (found_in == '' or found_in ~= dataset(replication)) then
       found = '0'
     end
     return {tonumber(fence), tonumber(found or '0'), tonumber(found_bound or '0'), known}
@@ -91,7 +104,7 @@ if previous and recorded > counter then
   return {-1, counter, recorded, known}
 end
 local status, bound = 0, 0
-local here = dataset()
+local here = dataset(replication)
 if previous and previous == clean and clean_set == here and here ~= '' then
   status = 1
 elseif previous and f == previous then
@@ -119,9 +132,9 @@ return {fence, status, bound, known}
 /// the renewal, and the role is read in the same step, so no answer about it can be older than the
 /// renewal it vouches for. Where `INFO` is refused (an ACL without `+info`) or names no role, the
 /// renewal answers `RENEWED_ROLE_UNASKED`, and the guard asks `ROLE` after it.
-pub(super) const RENEW: &str = r"
-local ok, replication = pcall(redis.call, 'INFO', 'replication')
-local role = ok and string.match(replication, 'role:(%w+)')
+pub(super) const RENEW: &str = concat!(
+    replication_lua!(),
+    r"
 if role and role ~= 'master' then
   return -2
 end
@@ -137,7 +150,8 @@ if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
   return 3
 end
 return 0
-";
+"
+);
 
 /// `RENEW`'s answer from a replica (`ACQUIRE`'s fence too).
 pub(super) const NOT_PRIMARY: i64 = -2;
@@ -148,11 +162,12 @@ pub(super) const RENEWED_ROLE_UNASKED: i64 = 3;
 /// names the dataset that wrote it (`ACQUIRE`).
 pub(super) const RELEASE: &str = concat!(
     dataset_lua!(),
+    replication_lua!(),
     r"
 local current = redis.call('GET', KEYS[1])
 if current and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
   redis.call('DEL', KEYS[1])
-  redis.call('SET', KEYS[2], string.match(current, ' fence=(%d+)') .. ' ' .. dataset())
+  redis.call('SET', KEYS[2], string.match(current, ' fence=(%d+)') .. ' ' .. dataset(replication))
   redis.call('PUBLISH', KEYS[3], ARGV[1])
   return 1
 end
