@@ -195,6 +195,12 @@ pub struct Cli {
     #[arg(long, env = "SENTINEL_GUARD_REJOIN", value_parser = clap::builder::BoolishValueParser::new())]
     pub rejoin: bool,
 
+    /// Start the command even where the guard can make no cgroup for it and is not PID 1; there a
+    /// process of the command that leaves its process group (setsid, a double fork) outlives a guard
+    /// killed by SIGKILL and may run beside the next holder's command. Refused (exit 2) otherwise
+    #[arg(long, env = "SENTINEL_GUARD_ALLOW_NO_CGROUP", value_parser = clap::builder::BoolishValueParser::new())]
+    pub allow_no_cgroup: bool,
+
     /// After acquiring, hold the lock before starting the command when the previous holder's app may
     /// still be stopping (the lock was taken away: a KILL, a failover, a deleted key or file): `auto`
     /// waits the bound the previous holder recorded, and not at all after a clean hand-over; a

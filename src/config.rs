@@ -208,6 +208,9 @@ pub struct Config {
     pub wait: Wait,
     /// `--rejoin`: after a lost lock, wait for it again instead of exiting (only with a wait).
     pub rejoin: bool,
+    /// `--allow-no-cgroup`: a lock may be taken where nothing stops a process that left the app's
+    /// group once the guard is SIGKILLed.
+    pub allow_no_cgroup: bool,
     pub takeover_delay: TakeoverDelay,
     pub forward_to: ForwardTo,
     pub exit_code_map: ExitCodeMap,
@@ -432,6 +435,7 @@ impl Config {
                 .transpose()?,
             wait,
             rejoin: cli.rejoin,
+            allow_no_cgroup: cli.allow_no_cgroup,
             takeover_delay,
             forward_to: cli.forward_to,
             exit_code_map: ExitCodeMap::parse(&cli.exit_code_map)?,

@@ -238,13 +238,15 @@ fn the_app_finds_no_password_in_its_guards_proc_files() {
             out = out.display()
         );
         let app = ["sh", "-c", script.as_str()];
-        let cmd = if by_env {
+        let mut cmd = if by_env {
             let mut cmd = lab.command(&["--name", "creds", "--check-interval", "200ms"], &app);
             cmd.env("SENTINEL_GUARD_URL", &url);
             cmd
         } else {
             lab.command(&lock_args(&url, "creds", &[]), &app)
         };
+        // Its uid may make no cgroup here: what that costs is not what this test is about.
+        cmd.env("SENTINEL_GUARD_ALLOW_NO_CGROUP", "true");
         let mut guard = lab.start(launched_by(&cmd, "setpriv", &setpriv));
         assert_eq!(
             guard.code(Duration::from_secs(15)),
@@ -388,11 +390,11 @@ enum Cgroups {
 }
 
 fn leader_command(lab: &Lab, args: &[&str], app: &[&str], cgroups: Cgroups) -> Command {
-    let cmd = lab.command(args, app);
+    let mut cmd = lab.command(args, app);
     match cgroups {
         Cgroups::Writable => cmd,
         Cgroups::ReadOnly => launched_by(
-            &cmd,
+            cmd.env("SENTINEL_GUARD_ALLOW_NO_CGROUP", "true"),
             "unshare",
             &[
                 "--mount",
@@ -501,12 +503,30 @@ fn mysql_an_escaped_helper_of_a_killed_guard_is_dead_before_a_standby_starts() {
     an_escaped_helper_is_dead_before_a_standby_starts(&mysql, Cgroups::Writable, 9);
 }
 
+/// Without a cgroup for the app and not PID 1, a guard that takes a lock refuses to start its app
+/// unless told to accept what a SIGKILL then leaves, and then it says so once.
 #[test]
-fn without_a_cgroup_the_guard_says_what_a_sigkill_leaves() {
+fn without_a_cgroup_the_guard_refuses_unless_allowed_and_says_what_a_sigkill_leaves() {
     let mut lab = Lab::new();
     let url = lab.file_url("lock");
+    let ran = lab.path("ran");
+    let app = format!("touch {}", ran.display());
     let args = lock_args(&url, "nocgroup", &[]);
-    let cmd = leader_command(&lab, &args, &["true"], Cgroups::ReadOnly);
+    let mut cmd = leader_command(&lab, &args, &["sh", "-c", &app], Cgroups::ReadOnly);
+    cmd.env_remove("SENTINEL_GUARD_ALLOW_NO_CGROUP");
+    let mut refused = lab.start(cmd);
+    let code = refused.code(Duration::from_secs(10));
+    let log = refused.log_text();
+    assert_eq!(code, 2, "{log}");
+    assert!(log.contains("event=\"app_cgroup_unavailable\""), "{log}");
+    assert!(log.contains("--allow-no-cgroup"), "{log}");
+    assert!(!ran.exists(), "the app ran: {log}");
+    assert!(
+        !lab.path("lock").exists(),
+        "the refused guard took the lock: {log}"
+    );
+
+    let cmd = leader_command(&lab, &args, &["sh", "-c", &app], Cgroups::ReadOnly);
     let mut guard = lab.start(cmd);
     assert_eq!(
         guard.code(Duration::from_secs(10)),
@@ -514,6 +534,7 @@ fn without_a_cgroup_the_guard_says_what_a_sigkill_leaves() {
         "{}",
         guard.log_text()
     );
+    assert!(ran.exists());
     let log = guard.log_text();
     assert_eq!(
         log.matches("event=\"app_cgroup_unavailable\"").count(),

@@ -190,6 +190,20 @@ impl Guard<'_> {
             );
             return Outcome::Internal;
         }
+        // Refused before any lock is taken: nothing would stop a process of the app that left its
+        // group once a SIGKILLed guard's lock goes to another holder.
+        let required = self.config.target.is_some() && !self.config.allow_no_cgroup;
+        if let Err(reason) = supervisor::check_app_cgroup(required) {
+            error!(
+                event = "app_cgroup_unavailable",
+                reason = %reason,
+                "no cgroup can be made for the app and the guard is not PID 1: a process of the app that leaves its process group \
+                 (setsid, a double fork) would outlive a guard killed by SIGKILL and could run beside the next holder's app; \
+                 run the guard as PID 1 of its container, give it a writable cgroup (root with /sys/fs/cgroup writable, \
+                 systemd Delegate=yes), or pass --allow-no-cgroup to accept that"
+            );
+            return Outcome::Usage;
+        }
         if self.config.target.is_none() {
             warn!(
                 event = "unguarded",

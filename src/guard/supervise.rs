@@ -154,6 +154,7 @@ impl Guard<'_> {
                 app_deadlines
                     .as_ref()
                     .map(|_| app_deadline_now(app_deadlines)),
+                held.is_some() && !config.allow_no_cgroup,
             )
             .await
         };
@@ -174,7 +175,8 @@ impl Guard<'_> {
             StartError::Setup(_)
             | StartError::Watchdog(_)
             | StartError::DeadlinePassed
-            | StartError::CgroupJoin(_) => Outcome::Internal,
+            | StartError::CgroupJoin(_)
+            | StartError::NoCgroup(_) => Outcome::Internal,
         };
         // A claimed window whose command never ran says so in its record, under the lock while it
         // is still known to be ours.

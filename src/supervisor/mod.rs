@@ -127,7 +127,8 @@ impl Supervisor {
     /// Spawns the watchdog, then the app, which tells the watchdog its group before it runs the
     /// command; `stop_signal` and `grace` are what the watchdog uses if it ever has to stop the app
     /// itself, `farewell` what it does for the lock if the guard dies, `app_deadline` by when the app
-    /// must be dead unless ownership is proven again (none: no lock).
+    /// must be dead unless ownership is proven again (none: no lock), `cgroup_required` whether the
+    /// app may run where no cgroup can be made for it (see `check_app_cgroup`).
     pub async fn start(
         command: &[std::ffi::OsString],
         env: &AppEnv<'_>,
@@ -135,9 +136,10 @@ impl Supervisor {
         stop: (Signal, Duration),
         farewell: &Farewell<'_>,
         app_deadline: Option<Deadline>,
+        cgroup_required: bool,
     ) -> Result<Supervisor, StartError> {
         let mut reaper = reaper::Reaper::register().map_err(StartError::Setup)?;
-        let (cgroup, entry) = app_cgroup().unzip();
+        let (cgroup, entry) = app_cgroup(cgroup_required)?.unzip();
         // Without its dead man's switch the app must not run.
         let mut watchdog =
             match Watchdog::spawn(stop, &env.set, env.remove, farewell, cgroup.as_ref()) {
@@ -493,31 +495,61 @@ fn signal_app(app: Pid, cgroup: Option<&AppCgroup>, signal: Signal) -> Vec<Pid> 
     }
 }
 
-/// The app's cgroup, and the ways in for the app's process; none where no
-/// cgroup can be made, which is said once: as PID 1 the kernel ends every process of the namespace
-/// with the guard, otherwise a process that leaves the app's group outlives a guard's SIGKILL.
-fn app_cgroup() -> Option<(AppCgroup, cgroup::Entry)> {
-    static SAID: Once = Once::new();
-    let made = AppCgroup::create().and_then(|cgroup| match cgroup.entry() {
+/// The app's cgroup, and the ways in for the app's process.
+fn make_app_cgroup() -> Result<(AppCgroup, cgroup::Entry), String> {
+    AppCgroup::create().and_then(|cgroup| match cgroup.entry() {
         Ok(entry) => Ok((cgroup, entry)),
         Err(e) => {
             let reason = format!("{}: {e}", cgroup.dir().display());
             cgroup.remove();
             Err(reason)
         }
-    });
-    match made {
-        Ok(made) => Some(made),
-        Err(reason) => {
-            SAID.call_once(|| {
-                if getpid().as_raw() == 1 {
-                    debug!(reason = %reason, "no cgroup for the app; as PID 1 the kernel stops the whole namespace with the guard");
-                } else {
-                    warn!(event = "app_cgroup_unavailable", reason = %reason, "no cgroup can be made for the app: a process of it that leaves its process group (setsid, a double fork) outlives a guard killed by SIGKILL");
-                }
-            });
-            None
+    })
+}
+
+/// Whether a process that leaves the app's group (`setsid`, a double fork) dies with the rest once
+/// the guard is SIGKILLed: as PID 1 the kernel ends every process of the namespace with the guard,
+/// otherwise only a cgroup of the app's holds such a process. Where neither holds, the reason; when
+/// the app may run so (`required` false) it is also said once, as a warning.
+pub fn check_app_cgroup(required: bool) -> Result<(), String> {
+    if getpid().as_raw() == 1 {
+        return Ok(());
+    }
+    match make_app_cgroup() {
+        Ok((cgroup, _)) => {
+            cgroup.remove();
+            Ok(())
         }
+        Err(reason) => app_cgroup_missing(reason, required),
+    }
+}
+
+/// `check_app_cgroup`'s verdict on a cgroup that could not be made.
+fn app_cgroup_missing(reason: String, required: bool) -> Result<(), String> {
+    static SAID: Once = Once::new();
+    if getpid().as_raw() == 1 {
+        SAID.call_once(|| {
+            debug!(reason = %reason, "no cgroup for the app; as PID 1 the kernel stops the whole namespace with the guard");
+        });
+        return Ok(());
+    }
+    if required {
+        return Err(reason);
+    }
+    SAID.call_once(|| {
+        warn!(event = "app_cgroup_unavailable", reason = %reason, "no cgroup can be made for the app: a process of it that leaves its process group (setsid, a double fork) outlives a guard killed by SIGKILL");
+    });
+    Ok(())
+}
+
+/// The app's cgroup, and the ways in for the app's process; none where no cgroup can be made and
+/// the app may run without one (see `check_app_cgroup`).
+fn app_cgroup(required: bool) -> Result<Option<(AppCgroup, cgroup::Entry)>, StartError> {
+    match make_app_cgroup() {
+        Ok(made) => Ok(Some(made)),
+        Err(reason) => app_cgroup_missing(reason, required)
+            .map(|()| None)
+            .map_err(StartError::NoCgroup),
     }
 }
 
@@ -533,6 +565,9 @@ pub enum StartError {
     /// The lock's deadline passed before the command could run (the guard was frozen on the way).
     #[error("the lock's deadline passed before the command could run")]
     DeadlinePassed,
+    /// No cgroup could be made for the app, which may not run without one (`--allow-no-cgroup`).
+    #[error("no cgroup can be made for the app ({0}) and --allow-no-cgroup is not given")]
+    NoCgroup(String),
     /// The guard made the app's cgroup, but the app's process could not move itself into it.
     #[error("the app's process could not move itself into the app's cgroup {0}")]
     CgroupJoin(String),
