@@ -805,6 +805,12 @@ mod tests {
             "***",
             "a short secret inside a longer one"
         );
+        let url = url::Url::parse("mysql://guard:abcd@db/app?apikey=cdef").unwrap();
+        assert_eq!(
+            urls::RedactedUrl::of(&url).scrub("got abcdef, cdcdef and é-abcdé"),
+            "got ***, cd*** and é-***é",
+            "secrets that overlap, and overlapping occurrences of one"
+        );
         // A password with a character a URL parser ends the credentials at, or an @ in a path or
         // query: refused, never guessed (it could name another server), and never shown.
         for raw in [

@@ -117,21 +117,40 @@ impl RedactedUrl {
         RedactedUrl::new(shown.to_string(), secrets)
     }
 
-    /// Longest first: a short secret inside a longer one must not leave the rest of that one showing.
     fn new(shown: String, mut secrets: Vec<String>) -> RedactedUrl {
         secrets.retain(|secret| !secret.is_empty());
-        secrets.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
+        secrets.sort();
         secrets.dedup();
         RedactedUrl { shown, secrets }
     }
 
-    /// `message` with every occurrence of a secret replaced.
+    /// `message` with every stretch that any secret covers replaced by one `***`. The stretches
+    /// are marked in the message as it came, every occurrence of every secret, overlapping ones
+    /// too, before anything is replaced: replacing one secret at a time would leave the tail of
+    /// another that overlaps it (`abcd` and `cdef` in `abcdef`).
     pub fn scrub(&self, message: impl fmt::Display) -> String {
-        let mut message = message.to_string();
+        let message = message.to_string();
+        let mut covered = vec![false; message.len()];
         for secret in &self.secrets {
-            message = message.replace(secret.as_str(), "***");
+            let mut from = 0;
+            while let Some(at) = message[from..].find(secret.as_str()) {
+                let start = from + at;
+                covered[start..start + secret.len()].fill(true);
+                // On to the next character, not past the match: occurrences may overlap.
+                from = start + message[start..].chars().next().map_or(1, char::len_utf8);
+            }
         }
-        message
+        let mut scrubbed = String::with_capacity(message.len());
+        // A secret is valid UTF-8 found in valid UTF-8, so each stretch starts and ends on a
+        // character boundary.
+        for (at, c) in message.char_indices() {
+            match (covered[at], at > 0 && covered[at - 1]) {
+                (false, _) => scrubbed.push(c),
+                (true, false) => scrubbed.push_str("***"),
+                (true, true) => {}
+            }
+        }
+        scrubbed
     }
 }
 
