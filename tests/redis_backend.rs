@@ -2,6 +2,7 @@
 
 mod common;
 
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use common::redis::Redis;
@@ -300,6 +301,71 @@ fn tls_with_the_right_ca_works_and_a_wrong_ca_exits_69() {
     assert!(!marker.exists());
 }
 
+/// One of the server's `INFO commandstats` counters for `command` (`calls`, `failed_calls`).
+fn command_stat(redis: &Redis, command: &str, counter: &str) -> u32 {
+    redis
+        .cli(&["INFO", "commandstats"])
+        .lines()
+        .find_map(|line| line.strip_prefix(&format!("cmdstat_{command}:")))
+        .and_then(|stats| {
+            stats
+                .split(',')
+                .find_map(|stat| stat.strip_prefix(&format!("{counter}=")))?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0)
+}
+
+/// A server reached on a new connection may lack the scripts (a restart, a promoted replica):
+/// the lock's first call there sends its script in front of itself, so no call is answered
+/// `NOSCRIPT` (which, with `--redis-min-replicas`, would have sat through its `WAIT` for nothing).
+#[test]
+fn a_new_connection_sends_the_script_in_front_of_its_first_call() {
+    let redis = Redis::start();
+    let mut lab = Lab::new();
+    let (mut guard, app) = leader(&mut lab, &redis.url(), "fresh");
+    redis.cli(&["CONFIG", "RESETSTAT"]);
+    // In one go, as a restart would have it: no call of the guard's comes between the two.
+    let port = redis.port.to_string();
+    let mut cli = std::process::Command::new("redis-cli")
+        .args(["-p", &port, "--pipe"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    cli.stdin
+        .take()
+        .unwrap()
+        .write_all(b"SCRIPT FLUSH\r\nCLIENT KILL TYPE normal SKIPME yes\r\n")
+        .unwrap();
+    assert!(cli.wait().unwrap().success());
+    assert!(
+        wait_until(Duration::from_secs(5), || command_stat(
+            &redis,
+            "script|load",
+            "calls"
+        ) >= 1
+            && command_stat(&redis, "evalsha", "calls") >= 3),
+        "the guard did not renew on a new connection: {}",
+        guard.log_text()
+    );
+    assert_eq!(
+        command_stat(&redis, "evalsha", "failed_calls"),
+        0,
+        "a call was answered NOSCRIPT: {}",
+        guard.log_text()
+    );
+    assert!(alive(app));
+    guard.signal(15);
+    assert_eq!(
+        guard.code(Duration::from_secs(5)),
+        0,
+        "{}",
+        guard.log_text()
+    );
+}
+
 /// A server that lost the guard's scripts (`SCRIPT FLUSH`, as a restart or a promoted replica
 /// would have none) answers the first call `NOSCRIPT`: the script is loaded and the same call made
 /// again, within the same renewal; nothing fails, and the release is made too.
@@ -311,14 +377,7 @@ fn scripts_gone_from_the_server_are_sent_again_within_the_same_call() {
     let (mut guard, app) = leader(&mut lab, &url, "flushed");
     redis.cli(&["CONFIG", "RESETSTAT"]);
     redis.cli(&["SCRIPT", "FLUSH"]);
-    let loads = || {
-        redis
-            .cli(&["INFO", "commandstats"])
-            .lines()
-            .find_map(|line| line.strip_prefix("cmdstat_script|load:calls="))
-            .and_then(|rest| rest.split(',').next()?.parse::<u32>().ok())
-            .unwrap_or(0)
-    };
+    let loads = || command_stat(&redis, "script|load", "calls");
     assert!(
         wait_until(Duration::from_secs(5), || loads() >= 1),
         "no renewal loaded its script: {}",

@@ -255,11 +255,13 @@ impl WindowStore for RedisLock {
             .arg(window.start)
             .arg(window.end)
             .arg(record);
+        // A connection per window, to a server that almost always has the script: loaded only
+        // when it says it lacks it.
         let mut conn = connected(&self.target, request.timings.connect_timeout).await?;
         let limit = request.timings.check_timeout;
         let wait = replicas_wait(&self.target, limit);
         let ((claimed, last), acked): ((i64, String), _) =
-            match timeout(limit, conn.call(&self.keys, &claim, wait)).await {
+            match timeout(limit, conn.call(&self.keys, &claim, wait, false)).await {
                 Ok(Ok(answer)) => answer,
                 // No answer, or a connection lost under it: the claim may be stored without the
                 // replicas having it, and a read of it later could not tell (see below). A Cluster
@@ -324,7 +326,7 @@ impl WindowStore for RedisLock {
         let limit = timings.check_timeout;
         let wait = replicas_wait(target, limit);
         let (recorded, acked): (i64, _) =
-            match timeout(limit, conn.call(&self.keys, &record, wait)).await {
+            match timeout(limit, conn.call(&self.keys, &record, wait, false)).await {
                 Ok(Ok(reply)) => reply,
                 Ok(Err(e)) => return Err(lock_error(target, &e)),
                 Err(_) => return Err(no_answer(target, limit)),

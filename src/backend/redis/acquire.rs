@@ -157,15 +157,15 @@ async fn attempt(
     timings: &Timings,
 ) -> Result<Attempt, LeaseFailure> {
     forget_demoted(target, slot, timings.check_timeout / 2).await;
-    let mut conn = match slot.take() {
-        Some(conn) => conn,
+    let (mut conn, fresh) = match slot.take() {
+        Some(conn) => (conn, false),
         None => match timeout(
             timings.connect_timeout,
             connect(target, timings.connect_timeout),
         )
         .await
         {
-            Ok(Ok(conn)) => conn,
+            Ok(Ok(conn)) => (conn, true),
             Ok(Err(e)) => return Err(redis_failure(target, &e)),
             Err(_) => return Err(silent_failure(target, timings.connect_timeout)),
         },
@@ -174,7 +174,7 @@ async fn attempt(
     let wait = replicas_wait(target, timings.check_timeout);
     let ((fence, previous, recorded, role_read), acked) = match timeout(
         timings.check_timeout,
-        conn.call::<(i64, i64, u64, i64)>(keys, call, wait),
+        conn.call::<(i64, i64, u64, i64)>(keys, call, wait, fresh),
     )
     .await
     {

@@ -80,11 +80,15 @@ impl Conn {
     /// and retries by itself): a connection that has written nothing is acknowledged at once. A
     /// `WAIT` that fails counts no replica. A server that lacks the script (restarted, promoted,
     /// flushed) is sent it in front of the same call, in one pipeline: one round trip more, not two.
+    /// With `load_first` it goes in front at once: a lock's first call on a connection just made,
+    /// where the server reached anew is often one that lacks it (a promoted replica), and a call
+    /// answered `NOSCRIPT` would have sat through its `WAIT` for nothing.
     pub(super) async fn call<T: FromRedisValue>(
         &mut self,
         keys: &Keys,
         call: &ScriptCall,
         wait: Option<(u32, Duration)>,
+        load_first: bool,
     ) -> Result<(T, Option<i64>), RedisError> {
         let pipe = |load: bool| {
             let mut pipe = redis::pipe();
@@ -99,18 +103,22 @@ impl Conn {
             }
             pipe
         };
-        let mut answers = self.pipeline(keys, &pipe(false)).await?;
-        let load = answers.first().is_some_and(no_script);
-        if load {
+        let mut load = load_first;
+        let mut answers = self.pipeline(keys, &pipe(load)).await?;
+        if !load && answers.first().is_some_and(no_script) {
             // The script did not run (the WAIT did, on nothing new).
+            load = true;
             answers = self.pipeline(keys, &pipe(true)).await?;
         }
         let mut answers = answers.into_iter();
-        if load {
-            // Refused (an ACL without `script|load`), it says why the script could not run.
-            answers.next().unwrap_or(Value::Nil).extract_error()?;
+        let loaded = if load { answers.next() } else { None };
+        let script = answers.next().unwrap_or(Value::Nil);
+        if no_script(&script) {
+            // Refused (an ACL without `script|load`), the load says why the script could not run;
+            // refused where the server had the script anyway, it does not matter.
+            loaded.unwrap_or(Value::Nil).extract_error()?;
         }
-        let script = answers.next().unwrap_or(Value::Nil).extract_error()?;
+        let script = script.extract_error()?;
         let acked = wait.map(|_| {
             answers
                 .next()

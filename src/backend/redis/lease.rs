@@ -150,7 +150,7 @@ impl Lease {
         let result = timeout(limit, async {
             forget_demoted(target, slot, limit / 2).await;
             if let Some(conn) = slot.as_mut() {
-                match conn.call(keys, call, wait).await {
+                match conn.call(keys, call, wait, false).await {
                     // Broken since its last use (a server restart, say): one more try on a fresh
                     // connection, within the same bound. Every script here is safe to run twice.
                     Err(e) if e.is_connection_dropped() || e.is_io_error() => *slot = None,
@@ -158,7 +158,7 @@ impl Lease {
                 }
             }
             let conn = slot.insert(connect(target, limit).await?);
-            conn.call(keys, call, wait).await
+            conn.call(keys, call, wait, true).await
         })
         .await;
         match result {
