@@ -350,6 +350,14 @@ fn lock_target(args: &LockArgs) -> Result<(LockName, Option<Target>), ConfigErro
 }
 
 impl Config {
+    /// Whether an app run under a lock (`locked`) needs a cgroup of its own where the guard is not
+    /// PID 1: a helper that left its process group would otherwise outlive a SIGKILLed guard and run
+    /// beside the next holder's app, unless `--allow-no-cgroup` accepts that. A run without a lock
+    /// (unguarded, `--if-unavailable run`) has no next holder to run beside.
+    pub fn cgroup_required(&self, locked: bool) -> bool {
+        locked && !self.allow_no_cgroup
+    }
+
     fn from_cli(cli: Cli, guard_switch: Option<&str>) -> Result<Config, ConfigError> {
         let guarded = parse_guard_switch(guard_switch)?;
         if let Ok(filter) = std::env::var(crate::cli::LOG_FILTER_VAR) {
@@ -449,8 +457,8 @@ impl Config {
         })
     }
 }
-/// The words every yes-or-no variable takes (`--rejoin`'s `SENTINEL_GUARD_REJOIN` through clap's
-/// `BoolishValueParser`, which reads the same): any case; anything else, an empty value too, exits 2.
+/// The words every yes-or-no variable takes (`SENTINEL_GUARD_REJOIN` and
+/// `SENTINEL_GUARD_ALLOW_NO_CGROUP` through clap's `BoolishValueParser`, which reads the same): any case; anything else, an empty value too, exits 2.
 fn parse_guard_switch(value: Option<&str>) -> Result<bool, ConfigError> {
     let Some(value) = value else { return Ok(true) };
     match value.trim().to_ascii_lowercase().as_str() {

@@ -381,6 +381,11 @@ fn file_a_dead_guards_lock_outlives_an_app_process_that_cannot_die_yet() {
     a_dead_guards_lock_outlives_an_app_process_that_cannot_die_yet(&Backend::File(Lab::new()));
 }
 
+/// A shell line that turns every cgroup mount read-only in its mount namespace (a private one).
+const READ_ONLY_CGROUPS: &str =
+    "for m in /sys/fs/cgroup/unified /sys/fs/cgroup/freezer /sys/fs/cgroup; do \
+     mountpoint -q $m && mount -o remount,bind,ro $m; done";
+
 /// How a test starts the leader: as it comes, or where no cgroup can be made for its app (the cgroup
 /// mounts read-only in its own mount namespace, as in a container without a writable cgroup).
 #[derive(Clone, Copy, PartialEq)]
@@ -400,12 +405,57 @@ fn leader_command(lab: &Lab, args: &[&str], app: &[&str], cgroups: Cgroups) -> C
                 "--mount",
                 "sh",
                 "-c",
-                "for m in /sys/fs/cgroup/unified /sys/fs/cgroup/freezer /sys/fs/cgroup; do \
-                 mountpoint -q $m && mount -o remount,bind,ro $m; done; exec \"$@\"",
+                &format!("{READ_ONLY_CGROUPS}; exec \"$@\""),
                 "sh",
             ],
         ),
     }
+}
+
+/// A cgroup that could be made at start-up but not at a later start of the app (the cgroup mounts
+/// turn read-only in the guard's mount namespace between two scheduled runs): that start is
+/// refused too (the window's run ends 70, and the scheduler goes on), never made without one.
+#[test]
+fn a_later_start_that_can_make_no_cgroup_is_refused_too() {
+    let mut lab = Lab::new();
+    let url = lab.file_url("lock");
+    let runs = lab.path("runs");
+    let app = format!("echo run >> {}", runs.display());
+    let args = lock_args(&url, "later", &["--every", "1s"]);
+    let cmd = launched_by(
+        &lab.command(&args, &["sh", "-c", &app]),
+        "unshare",
+        &["--mount"],
+    );
+    let mut guard = lab.start(cmd);
+    assert!(
+        wait_until(Duration::from_secs(10), || runs.exists()),
+        "{}",
+        guard.log_text()
+    );
+    let pid = guard.pid().to_string();
+    let remounted = Command::new("nsenter")
+        .args(["--mount", "--target", &pid, "sh", "-c", READ_ONLY_CGROUPS])
+        .status()
+        .unwrap();
+    assert!(remounted.success());
+    let before = fs::read_to_string(&runs).unwrap().lines().count();
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let log = guard.log_text();
+            log.contains("no cgroup can be made for the app") && log.contains("exit_code=70")
+        }),
+        "{}",
+        guard.log_text()
+    );
+    let log = guard.log_text();
+    assert_eq!(
+        fs::read_to_string(&runs).unwrap().lines().count(),
+        before,
+        "a run started without a cgroup: {log}"
+    );
+    guard.signal(15);
+    guard.wait(Duration::from_secs(10));
 }
 
 /// The leader's app starts a helper in a session of its own (`setsid`: out of the app's process
@@ -513,7 +563,7 @@ fn without_a_cgroup_the_guard_refuses_unless_allowed_and_says_what_a_sigkill_lea
     let app = format!("touch {}", ran.display());
     let args = lock_args(&url, "nocgroup", &[]);
     let mut cmd = leader_command(&lab, &args, &["sh", "-c", &app], Cgroups::ReadOnly);
-    cmd.env_remove("SENTINEL_GUARD_ALLOW_NO_CGROUP");
+    cmd.env("SENTINEL_GUARD_ALLOW_NO_CGROUP", "false");
     let mut refused = lab.start(cmd);
     let code = refused.code(Duration::from_secs(10));
     let log = refused.log_text();

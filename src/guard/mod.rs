@@ -44,6 +44,8 @@ const HIDDEN_FROM_APP: &[&str] = &[
     "SENTINEL_GUARD_HEALTH_TIMEOUT",
     "SENTINEL_GUARD_HEALTH_RETRIES",
     "SENTINEL_GUARD_HEALTH_START_PERIOD",
+    // An operator's acceptance of a risk for this guard, not for a guard the app may run.
+    "SENTINEL_GUARD_ALLOW_NO_CGROUP",
 ];
 
 /// The exit a command that could not be executed ends the guard with: 127 when it (or its script's
@@ -192,7 +194,7 @@ impl Guard<'_> {
         }
         // Refused before any lock is taken: nothing would stop a process of the app that left its
         // group once a SIGKILLed guard's lock goes to another holder.
-        let required = self.config.target.is_some() && !self.config.allow_no_cgroup;
+        let required = self.config.cgroup_required(self.config.target.is_some());
         if let Err(reason) = supervisor::check_app_cgroup(required) {
             error!(
                 event = "app_cgroup_unavailable",

@@ -154,7 +154,7 @@ impl Guard<'_> {
                 app_deadlines
                     .as_ref()
                     .map(|_| app_deadline_now(app_deadlines)),
-                held.is_some() && !config.allow_no_cgroup,
+                config.cgroup_required(held.is_some()),
             )
             .await
         };

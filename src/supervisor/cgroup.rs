@@ -248,7 +248,11 @@ fn mount_of(mountinfo: &str, fstype: &str, option: Option<&str>, path: &Path) ->
             && !point.contains('\\')
             && !root.contains('\\');
         let below = path.strip_prefix(root).ok()?;
-        wanted.then(|| Path::new(point).join(below))
+        // `/../x`: a cgroup outside this namespace's root, which no path below the mount names.
+        let inside = !below
+            .components()
+            .any(|part| part == std::path::Component::ParentDir);
+        (wanted && inside).then(|| Path::new(point).join(below))
     })
 }
 

@@ -258,11 +258,22 @@ impl Supervisor {
 
     /// Starts a health check, `/bin/sh -c command`, whose end `next_event` reports. One runs at a
     /// time. It runs in a cgroup of its own below the app's, so a check that is killed or has ended
-    /// leaves nothing behind (`end_health_check`), `setsid` or not; where there is no cgroup, in a process
-    /// group of its own, and only the shell dies with the guard.
+    /// leaves nothing behind (`end_health_check`), `setsid` or not (where that cannot be made, in
+    /// the app's); where the app has no cgroup, in a process group of its own, and only the shell
+    /// dies with the guard.
     pub fn start_health_check(&mut self, command: &str, env: &AppEnv<'_>) -> std::io::Result<Pid> {
+        let app_entry;
         let entry = match &self.cgroup {
-            Some(app) => self.checks.next(app),
+            Some(app) => match self.checks.next(app) {
+                Some(entry) => Some(entry),
+                // Never outside every cgroup of the app: where it cannot have one of its own the
+                // check runs in the app's (swept with the app), and one that cannot get in there
+                // either has failed.
+                None => {
+                    app_entry = app.entry()?;
+                    Some(&app_entry)
+                }
+            },
             None => {
                 static SAID: Once = Once::new();
                 if getpid().as_raw() != 1 {
@@ -517,7 +528,9 @@ pub fn check_app_cgroup(required: bool) -> Result<(), String> {
     }
     match make_app_cgroup() {
         Ok((cgroup, _)) => {
-            cgroup.remove();
+            if !cgroup.remove() {
+                debug!(cgroup = %cgroup.dir().display(), "the cgroup made to try cannot be removed; it is left empty");
+            }
             Ok(())
         }
         Err(reason) => app_cgroup_missing(reason, required),

@@ -285,16 +285,21 @@ fn main(args: &[String], farewell: FarewellRunner) -> u8 {
         .keeps_fd
         .then(|| unsafe { OwnedFd::from_raw_fd(KEPT_FD) });
     let message = handover.message;
-    // A cgroup that cannot be opened is treated as none (the group, and the descendants of a
-    // frozen guard, are still reached), and said.
-    let cgroup = handover.cgroup.and_then(|dir| match AppCgroup::open(dir.clone()) {
-        Ok(cgroup) => Some(cgroup),
-        Err(e) => {
+    // The guard made the app a cgroup: a watchdog that cannot use it could not stop a helper that
+    // left the app's group once the guard is killed. It ends, and a guard whose watchdog ended
+    // stops its app.
+    let cgroup = match handover
+        .cgroup
+        .map(|dir| AppCgroup::open(dir.clone()).map_err(|e| (dir, e)))
+    {
+        None => None,
+        Some(Ok(cgroup)) => Some(cgroup),
+        Some(Err((dir, e))) => {
             log.on();
-            warn!(event = "watchdog_cgroup_unusable", cgroup = %dir.display(), error = %e, "the watchdog cannot use the app's cgroup; it reaches the app through its process group only");
-            None
+            error!(event = "watchdog_cgroup_unusable", cgroup = %dir.display(), error = %e, "the watchdog cannot use the app's cgroup; it ends, and the guard stops the app");
+            return crate::vocab::EXIT_INTERNAL;
         }
-    });
+    };
     let reach = Reach {
         cgroup,
         guard: handover.guard,
