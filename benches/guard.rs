@@ -33,8 +33,8 @@ struct Settings {
     rounds: usize,
 }
 
-/// Wall-clock nanoseconds: the shell apps below can only read this clock (`date +%s%N`), and guard,
-/// apps and bench share one host.
+/// Wall-clock nanoseconds: the apps below stamp with this clock, and guard, apps and bench share
+/// one host.
 fn now_ns() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -42,23 +42,54 @@ fn now_ns() -> u64 {
         .as_nanos() as u64
 }
 
+/// The first argument that makes this benchmark's own binary the app of `timing_app`.
+const TIMING_APP: &str = "__timing_app";
+
 /// An app that writes the time it started to `<dir>/started` and the time it received SIGTERM to
-/// `<dir>/stopped` (then exits 0). A shell waiting in `wait` runs its trap at once, and `sh`/`date`
-/// start in about a millisecond, so the stamps add little to what is measured. With `exit_after`, it
-/// writes `<dir>/exiting` and exits that many seconds after starting.
+/// `<dir>/stopped` (then exits 0). With `exit_after` (seconds), it writes `<dir>/exiting` and exits
+/// that long after starting. It is this benchmark's own binary run again (`timing_app_main`), not a
+/// shell: a stamp is taken in the app's own process, at its start and right before its exit, with
+/// no `sh`, `date` or `mv` started between the moment measured and the stamp (they added about 2 ms
+/// to every hand-over, and to each tool under comparison alike).
 fn timing_app(dir: &Path, exit_after: Option<&str>) -> Vec<String> {
-    let d = dir.display();
-    let ending = match exit_after {
-        Some(seconds) => format!(
-            "sleep {seconds}; date +%s%N > {d}/exiting.tmp; mv {d}/exiting.tmp {d}/exiting; exit 0"
-        ),
-        None => "sleep 1000 & wait".to_owned(),
+    let exe = std::env::current_exe().unwrap();
+    vec![
+        exe.display().to_string(),
+        TIMING_APP.into(),
+        dir.display().to_string(),
+        exit_after.unwrap_or("-").into(),
+    ]
+}
+
+/// The app of `timing_app`, when this binary was run as one; `None` otherwise.
+fn timing_app_main() -> Option<i32> {
+    use nix::sys::signal::{SigSet, Signal};
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) != Some(TIMING_APP) {
+        return None;
+    }
+    let dir = Path::new(&args[2]);
+    // Blocked before the first stamp, so a SIGTERM that comes early waits for `wait` below.
+    let mut term = SigSet::empty();
+    term.add(Signal::SIGTERM);
+    term.thread_block().unwrap();
+    let write = |name: &str| {
+        let (tmp, path) = (dir.join(format!("{name}.tmp")), dir.join(name));
+        fs::write(&tmp, now_ns().to_string()).unwrap();
+        fs::rename(tmp, path).unwrap();
     };
-    let script = format!(
-        "trap 'date +%s%N > {d}/stopped.tmp; mv {d}/stopped.tmp {d}/stopped; exit 0' TERM; \
-         date +%s%N > {d}/started.tmp; mv {d}/started.tmp {d}/started; {ending}"
-    );
-    vec!["sh".into(), "-c".into(), script]
+    write("started");
+    match args[3].parse::<f64>() {
+        Ok(seconds) => {
+            std::thread::sleep(Duration::from_secs_f64(seconds));
+            write("exiting");
+        }
+        Err(_) => {
+            term.wait().unwrap();
+            write("stopped");
+        }
+    }
+    Some(0)
 }
 
 fn stamp(dir: &Path, name: &str, limit: Duration) -> Option<u64> {
@@ -1519,6 +1550,9 @@ fn release_guard() -> PathBuf {
 }
 
 fn main() {
+    if let Some(code) = timing_app_main() {
+        std::process::exit(code);
+    }
     // `SENTINEL_BENCH_GUARD=<binary>` measures that binary instead (CI's quick run measures the
     // static build it already has, so that it need not wait for the release build).
     let measured = match std::env::var_os("SENTINEL_BENCH_GUARD") {

@@ -74,7 +74,13 @@ pub(super) fn watch(
         target: target.clone(),
         cancel: session.client.cancel_token(),
         check_sql: check_sql(request, key),
-        released_sql: record_table::released_sql(request, recorded),
+        released_sql: record_table::released_sql(request, recorded).map(|sql| {
+            // Committed without waiting for its WAL to be flushed (`synchronous_commit` off for
+            // this transaction alone): visible at once, to the next holder too, and a `released`
+            // lost to a crash only leaves `held`, which makes the next holder wait its bound. The
+            // next holder's own `held` is flushed, and with it this one, which came first.
+            format!("{sql} AND set_config('synchronous_commit', 'off', true) = 'off'")
+        }),
         timing: CheckTiming::of(request),
     };
     let windows = SqlWindows {
