@@ -456,9 +456,9 @@ fn apps_in(dir: &Path) -> Vec<i32> {
 }
 
 /// SIGKILLs what the tools under comparison leave behind: `etcdctl lock` ignores SIGTERM and leaves
-/// its command running when it is killed itself. SIGKILL to each app and first to its children (the
-/// apps' `sleep`, which would otherwise outlive the benchmark); one that has already exited (a guard
-/// that lost its watchdog stops its app itself) is fine.
+/// its command running when it is killed itself. SIGKILL to each app and first to its children
+/// (which would otherwise outlive the benchmark); one that has already exited (a guard that lost its
+/// watchdog stops its app itself) is fine.
 fn kill_all(pids: Vec<i32>) {
     use nix::sys::signal::{kill, Signal};
     use nix::unistd::Pid;

@@ -227,6 +227,9 @@ fn masked_query(query: &str, secrets: &mut Vec<String>) -> String {
         "db",
         "protocol",
     ];
+    // After a credential, a parameter that is not a known one may be the credential's tail (an `&`
+    // left unencoded in it): its name and value are secrets however short.
+    let mut after_credential = false;
     query
         .split('&')
         .map(|pair| {
@@ -243,9 +246,11 @@ fn masked_query(query: &str, secrets: &mut Vec<String>) -> String {
                 pair.to_owned()
             } else {
                 let credential = CREDENTIAL_WORDS.contains(&lowercase.as_str());
+                let tail = after_credential;
+                after_credential |= credential;
                 // A credential's value is a secret however short; any other value only from four
                 // characters on.
-                if credential || decode(value).len() >= 4 {
+                if credential || tail || decode(value).len() >= 4 {
                     // As written, as a form decodes it (`+` a space), as a driver does (`+` kept).
                     keep_secret(secrets, value);
                     secrets.push(decode(value));
@@ -253,7 +258,7 @@ fn masked_query(query: &str, secrets: &mut Vec<String>) -> String {
                 // The name too: `?password=Xy7&kP9qRt` makes a parameter of a password's tail,
                 // and a driver that refuses it names it. Only the words that say a credential
                 // follows stay out of the scrubbing, so messages keep them.
-                if !credential && name.len() >= 4 {
+                if !credential && (tail || name.len() >= 4) {
                     secrets.push(name);
                 }
                 "***=***".to_owned()

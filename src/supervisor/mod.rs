@@ -267,8 +267,8 @@ impl Supervisor {
             Some(app) => match self.checks.next(app) {
                 Some(entry) => Some(entry),
                 // Never outside every cgroup of the app: where it cannot have one of its own the
-                // check runs in the app's (swept with the app), and one that cannot get in there
-                // either has failed.
+                // check runs in the app's, and what it leaves in the background is stopped with
+                // the app, not when the check ends. One that cannot get in there either has failed.
                 None => {
                     app_entry = app.entry()?;
                     Some(&app_entry)

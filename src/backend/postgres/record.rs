@@ -18,8 +18,9 @@ updated_at timestamptz NOT NULL)";
 /// The server that writes a row: its postmaster's start, to the microsecond, as a number (text
 /// would follow the session's TimeZone and DateStyle). A promoted replica, a restarted server and a
 /// restored one all started at another time. A crash of one backend reinitialises the server
-/// without a new postmaster, and loses commits made with `synchronous_commit = off`: the record is
-/// written with `local` at least (a stronger setting is kept).
+/// without a new postmaster, and loses commits made with `synchronous_commit = off`: the `held`
+/// record is written with `local` at least (a stronger setting is kept). The `released` one is not
+/// waited for (`watcher.rs`): losing it only makes the next holder wait.
 const INCARNATION: &str = "extract(epoch FROM pg_postmaster_start_time())::text";
 
 /// Reads the lock record the previous holder left and writes this holder's, with the next fencing
