@@ -555,7 +555,46 @@ fn takeover(report: &mut Report, servers: &Servers, settings: &Settings) {
             }
         }
     }
+    flock_takeover(report, servers, settings);
     etcd_takeover(report, servers, settings);
+}
+
+/// The clean hand-over with `flock <file>` as leader and standby, the same apps: the floor a
+/// guard's hand-over is compared with (a lock freed by the leader's exit, an app forked and
+/// executed by the standby).
+fn flock_takeover(report: &mut Report, servers: &Servers, settings: &Settings) {
+    let mut stats = Stats::default();
+    for round in 0..settings.rounds {
+        let (lead, standby) = (Lab::new(), Lab::new());
+        let lock = servers.files.path(&format!("flock-takeover-{round}.lock"));
+        let flock = |app: Vec<String>| {
+            Command::new("flock")
+                .arg(&lock)
+                .args(app)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        };
+        let mut leader = flock(timing_app(lead.dir.path(), Some("1.5")));
+        stamp(lead.dir.path(), "started", Duration::from_secs(10)).expect("leader started");
+        let mut waiting = flock(timing_app(standby.dir.path(), None));
+        let exiting = stamp(lead.dir.path(), "exiting", Duration::from_secs(10));
+        let started = stamp(standby.dir.path(), "started", Duration::from_secs(10));
+        if let (Some(from), Some(started)) = (exiting, started) {
+            stats.push_ms(started.saturating_sub(from));
+        }
+        let _ = leader.wait();
+        kill_all(apps_in(standby.dir.path()));
+        let _ = waiting.wait();
+    }
+    report.latency(
+        "takeover: leader's app exits -> standby's app started",
+        "- (`flock <file>`)",
+        &stats,
+        "",
+    );
 }
 
 /// The same SIGKILL takeover with `etcdctl lock --ttl 3` (the ttl of the Redis rows) as leader and

@@ -822,7 +822,10 @@ mod tests {
         // A password with an `&` left unencoded: its tail reads as a parameter, short as it is.
         let url = url::Url::parse("postgres://guard@db/app?password=Xy7&kP9=abc").unwrap();
         let scrubbed = urls::RedactedUrl::of(&url).scrub("invalid parameter kP9 (abc)");
-        assert!(!scrubbed.contains("kP9") && !scrubbed.contains("abc"), "{scrubbed}");
+        assert!(
+            !scrubbed.contains("kP9") && !scrubbed.contains("abc"),
+            "{scrubbed}"
+        );
         // A password with a character a URL parser ends the credentials at, or an @ in a path or
         // query: refused, never guessed (it could name another server), and never shown.
         for raw in [
