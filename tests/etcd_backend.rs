@@ -186,13 +186,7 @@ fn the_guard_rides_through_the_loss_of_the_leading_member() {
         "{}",
         guard.log_text()
     );
-    guard.signal(15);
-    assert_eq!(
-        guard.code(Duration::from_secs(5)),
-        0,
-        "{}",
-        guard.log_text()
-    );
+    guard.exits_0_on_sigterm();
 }
 
 #[test]
@@ -328,13 +322,7 @@ fn authentication_works_and_a_wrong_password_exits_69_unprinted() {
     let log = guard.log_text();
     assert!(log.contains("etcd lease acquired"), "{log}");
     assert!(!log.contains("s3cretpw"), "password leaked: {log}");
-    guard.signal(15);
-    assert_eq!(
-        guard.code(Duration::from_secs(5)),
-        0,
-        "{}",
-        guard.log_text()
-    );
+    guard.exits_0_on_sigterm();
     assert!(!guard.log_text().contains("s3cretpw"));
     assert_wrong_password_exits_69_unprinted(
         &format!("etcd://guard:wr0ngpw@127.0.0.1:{port}"),

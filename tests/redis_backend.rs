@@ -357,18 +357,7 @@ fn a_new_connection_sends_the_script_in_front_of_its_first_call() {
         guard.log_text()
     );
     assert!(alive(app));
-    stops_with_code_0(&mut guard);
-}
-
-/// SIGTERM to a guard whose app runs on: it stops the app and exits 0.
-fn stops_with_code_0(guard: &mut GuardProcess) {
-    guard.signal(15);
-    assert_eq!(
-        guard.code(Duration::from_secs(5)),
-        0,
-        "{}",
-        guard.log_text()
-    );
+    guard.exits_0_on_sigterm();
 }
 
 /// A server that lost the guard's scripts (`SCRIPT FLUSH`, as a restart or a promoted replica
@@ -389,7 +378,7 @@ fn scripts_gone_from_the_server_are_sent_again_within_the_same_call() {
         guard.log_text()
     );
     assert!(alive(app));
-    stops_with_code_0(&mut guard);
+    guard.exits_0_on_sigterm();
     let log = guard.log_text();
     assert!(!log.contains("renewal_failed"), "{log}");
     assert!(log.contains("event=\"lock_released\""), "{log}");

@@ -62,13 +62,7 @@ fn lease_is_acquired_renewed_and_released_on_the_slot_owner() {
         // A second instance is refused, naming the holder.
         let (code, log) = lab.run(&args(&url, name), &["true"], Duration::from_secs(10));
         assert_eq!(code, 1, "{log}");
-        guard.signal(15);
-        assert_eq!(
-            guard.code(Duration::from_secs(5)),
-            0,
-            "{}",
-            guard.log_text()
-        );
+        guard.exits_0_on_sigterm();
         assert_eq!(owner.cli(&["EXISTS", &key]), "0", "{name}: not released");
         let (code, shown) = status(&url, name);
         assert_eq!(code, 3, "{shown}");
@@ -140,12 +134,6 @@ fn a_resharded_slot_is_followed() {
     assert_eq!(cluster.nodes[0].cli(&["GET", key]), token);
     let pttl: i64 = cluster.nodes[0].cli(&["PTTL", key]).parse().unwrap();
     assert!(pttl > 2000, "pttl {pttl}: {}", guard.log_text());
-    guard.signal(15);
-    assert_eq!(
-        guard.code(Duration::from_secs(5)),
-        0,
-        "{}",
-        guard.log_text()
-    );
+    guard.exits_0_on_sigterm();
     assert_eq!(cluster.nodes[0].cli(&["EXISTS", key]), "0");
 }

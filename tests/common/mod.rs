@@ -325,6 +325,13 @@ impl GuardProcess {
     pub fn signal(&self, signal: i32) {
         send(self.pid(), signal);
     }
+
+    /// SIGTERM, then an exit 0 within 5s: the app stopped and the lock given back. Panics with the
+    /// guard's log otherwise.
+    pub fn exits_0_on_sigterm(&mut self) {
+        self.signal(15);
+        assert_eq!(self.code(Duration::from_secs(5)), 0, "{}", self.log_text());
+    }
 }
 
 impl Drop for GuardProcess {
