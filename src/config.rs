@@ -458,7 +458,8 @@ impl Config {
     }
 }
 /// The words every yes-or-no variable takes (`SENTINEL_GUARD_REJOIN` and
-/// `SENTINEL_GUARD_ALLOW_NO_CGROUP` through clap's `BoolishValueParser`, which reads the same): any case; anything else, an empty value too, exits 2.
+/// `SENTINEL_GUARD_ALLOW_NO_CGROUP` through clap's `BoolishValueParser`, which reads the same): any
+/// case; anything else, an empty value too, exits 2.
 fn parse_guard_switch(value: Option<&str>) -> Result<bool, ConfigError> {
     let Some(value) = value else { return Ok(true) };
     match value.trim().to_ascii_lowercase().as_str() {
