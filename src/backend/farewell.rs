@@ -96,8 +96,13 @@ impl SessionFarewell {
             rest = &tail[usize::from(len)..];
             Some(value.to_owned())
         };
+        // Both go into the farewell's SQL unquoted: what a guard could not have written is refused.
         let name = field()?;
+        crate::config::LockName::parse(&name).ok()?;
         let holder_id = field()?;
+        if holder_id.is_empty() || !holder_id.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
         let ca_len = usize::from(u16::from_le_bytes(rest.get(..2)?.try_into().ok()?));
         let ca = rest.get(2..2 + ca_len)?;
         let ca_file = (!ca.is_empty()).then(|| PathBuf::from(OsStr::from_bytes(ca)));
@@ -144,17 +149,18 @@ mod tests {
 
     #[test]
     fn farewell_messages_round_trip_and_others_are_refused() {
+        let farewell_of = |server, name: &str, holder_id: &str| SessionFarewell {
+            server,
+            url: SecretUrl::new("mysql://sg:pw@db:3306/app".to_owned()),
+            session_id: 9_000_000_000_000_000_001,
+            revision: 77,
+            name: name.to_owned(),
+            holder_id: holder_id.to_owned(),
+            timeout: Duration::from_millis(1500),
+            ca_file: Some(PathBuf::from("/etc/ssl/private ca.pem")),
+        };
         for server in [Server::Mysql, Server::Postgres, Server::Etcd] {
-            let farewell = SessionFarewell {
-                server,
-                url: SecretUrl::new("mysql://sg:pw@db:3306/app".to_owned()),
-                session_id: 9_000_000_000_000_000_001,
-                revision: 77,
-                name: "billing".to_owned(),
-                holder_id: "27e1d7a4c2e445db".to_owned(),
-                timeout: Duration::from_millis(1500),
-                ca_file: Some(PathBuf::from("/etc/ssl/private ca.pem")),
-            };
+            let farewell = farewell_of(server, "billing", "27e1d7a4c2e445db");
             let decoded = SessionFarewell::decode(&farewell.encode()).unwrap();
             assert_eq!(decoded.ca_file, farewell.ca_file);
             assert_eq!(decoded.server, server);
@@ -167,6 +173,14 @@ mod tests {
             let mut truncated = farewell.encode();
             truncated.truncate(12);
             assert!(SessionFarewell::decode(&truncated).is_none());
+            // What no guard writes, and what would change the farewell's SQL, is refused.
+            for (name, holder_id) in [("bill'ing", "27e1d7a4c2e445db"), ("billing", "27e1' OR 1")] {
+                let odd = farewell_of(server, name, holder_id).encode();
+                assert!(
+                    SessionFarewell::decode(&odd).is_none(),
+                    "{name} {holder_id}"
+                );
+            }
         }
         assert!(SessionFarewell::decode(b"").is_none());
         assert!(SessionFarewell::decode(b"x12345678").is_none());

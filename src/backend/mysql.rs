@@ -53,9 +53,22 @@ const INTERRUPT_TIMEOUT: Duration = Duration::from_secs(1);
 const DRIVER_PACKET_LIMIT: usize = 4 << 20;
 /// The driver's idea of the server's `wait_timeout` (only its pool uses it; the guard has none).
 const DRIVER_WAIT_TIMEOUT: usize = 28_800;
-/// The server settings that make `GET_LOCK` unsafe as a singleton lock (`refuse_unsafe`).
+/// The server settings that make `GET_LOCK` unsafe as a singleton lock (`refuse_unsafe`). `SHOW`
+/// names only the variables a server has: Galera's, Group Replication's and NDB's exist only where
+/// they are built in or loaded.
 const SAFETY_QUERY: &str = "SHOW GLOBAL VARIABLES WHERE Variable_name IN ('read_only', \
      'super_read_only', 'wsrep_on', 'group_replication_single_primary_mode', 'ndb_version_string')";
+/// `SAFETY_QUERY` on MariaDB, whose servers all have both variables (Galera support is built in;
+/// it has neither `super_read_only`, Group Replication nor NDB), in the same rows: `SHOW` fills a
+/// table of every variable the server has first, most of a millisecond on the path to the app's
+/// start. A build without `wsrep_on` refuses it as unknown, and the session is set up one
+/// statement at a time with `SAFETY_QUERY`. The values' width is given: a union's column takes the
+/// first row's, and `CAST(.. AS CHAR)` of `read_only` is one character wide (`OFF` read `O`).
+/// The version is guessed from its number: a server that only numbers itself like MariaDB (a
+/// proxy's configured version) says so in the last row, and is asked `SAFETY_QUERY` after all.
+const MARIADB_SAFETY_QUERY: &str = "SELECT 'read_only', CAST(@@global.read_only AS CHAR(64)) \
+     UNION ALL SELECT 'wsrep_on', CAST(@@global.wsrep_on AS CHAR(64)) \
+     UNION ALL SELECT 'mariadb', IF(@@version LIKE '%MariaDB%', 'yes', 'no')";
 
 /// Whether an error says the server has ended the session (or the socket closed), rather than
 /// refused one statement.
@@ -178,16 +191,17 @@ const SESSION_HOST: &str =
 /// check's deliberate `SLEEP` and look like a lost lock, so it is zeroed for the session; its name
 /// depends on the server family (MariaDB's `max_statement_time`, MySQL's `max_execution_time`),
 /// guessed from the version: MariaDB numbers itself 10 and up, MySQL 5, 8 and 9. A wrong guess is an
-/// unknown variable, and nothing of the query has run.
+/// unknown variable, and nothing of the query has run; so is a MariaDB built without `wsrep_on`,
+/// after the SET, which the one-by-one set-up makes again.
 async fn settle_at_once(conn: &mut Conn, wanted: u64) -> Result<Settled, mysql_async::Error> {
-    let limit = if conn.server_version().0 >= 10 {
-        "max_statement_time"
+    let (limit, safety) = if conn.server_version().0 >= 10 {
+        ("max_statement_time", MARIADB_SAFETY_QUERY)
     } else {
-        "max_execution_time"
+        ("max_execution_time", SAFETY_QUERY)
     };
     let mut answer = conn
         .query_iter(format!(
-            "SET SESSION wait_timeout = {wanted}, {limit} = 0, autocommit = 1; {SAFETY_QUERY}; \
+            "SET SESSION wait_timeout = {wanted}, {limit} = 0, autocommit = 1; {safety}; \
              SELECT @@session.wait_timeout, ({SESSION_HOST})"
         ))
         .await?;
@@ -197,6 +211,15 @@ async fn settle_at_once(conn: &mut Conn, wanted: u64) -> Result<Settled, mysql_a
     let read_back = answer.collect::<(Option<u64>, Option<String>)>().await?;
     answer.drop_result().await?;
     let (kept, host) = read_back.into_iter().next().unwrap_or_default();
+    let guessed_wrong = safety == MARIADB_SAFETY_QUERY
+        && !vars
+            .iter()
+            .any(|(name, value)| name == "mariadb" && value == "yes");
+    let vars = if guessed_wrong {
+        conn.query(SAFETY_QUERY).await?
+    } else {
+        vars
+    };
     Ok((vars, kept, host))
 }
 

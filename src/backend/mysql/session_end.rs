@@ -92,12 +92,12 @@ pub(super) async fn runs_our_check(
     holder_id: &str,
     limit: Duration,
 ) -> Result<bool, Option<mysql_async::Error>> {
-    let ours = format!("holder_id={holder_id} ");
-    let proof = conn.exec_first::<Option<i64>, _, _>(
-        "SELECT IS_USED_LOCK(?) = ? AND EXISTS (SELECT 1 FROM information_schema.PROCESSLIST \
-         WHERE ID = ? AND INSTR(INFO, ?) > 0)",
-        (name, id, id, ours),
-    );
+    // A text query: a prepared one costs a round trip more on the side connection, which is new at
+    // every release. Lock names and holder ids are characters that need no quoting.
+    let proof = conn.query_first::<Option<i64>, _>(format!(
+        "SELECT IS_USED_LOCK('{name}') = {id} AND EXISTS (SELECT 1 FROM \
+         information_schema.PROCESSLIST WHERE ID = {id} AND INSTR(INFO, 'holder_id={holder_id} ') > 0)"
+    ));
     match timeout(limit, proof).await {
         Err(_) => Err(None),
         Ok(Err(e)) => Err(Some(e)),

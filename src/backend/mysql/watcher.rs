@@ -118,25 +118,45 @@ impl SessionWatcher for Watcher {
         }
     }
 
-    /// A side connection, authenticated: `KILL QUERY` needs the lock session's user.
-    type Interrupter = Conn;
+    type Interrupter = SideConnection;
 
-    fn open_interrupter(&self) -> impl Future<Output = Option<Conn>> + Send + 'static {
-        let target = self.target.clone();
-        async move { connect(&target, INTERRUPT_TIMEOUT).await.ok() }
+    /// Opens the side connection and proves at once what the first `KILL QUERY` needs proven: the
+    /// release often follows within a millisecond (an app that ended on its own leaves little to
+    /// tear down), and the proof, a read of the whole process list, is then off its path.
+    fn open_interrupter(&self) -> impl Future<Output = Option<SideConnection>> + Send + 'static {
+        let (target, name, id) = (self.target.clone(), self.name.clone(), self.session_id);
+        let holder_id = self.holder_id.clone();
+        async move {
+            let mut conn = connect(&target, INTERRUPT_TIMEOUT).await.ok()?;
+            // Counted from the question, on the clock that runs through a suspend.
+            let asked = Deadline::now();
+            let proven_at =
+                match runs_our_check(&mut conn, &name, id, &holder_id, INTERRUPT_TIMEOUT).await {
+                    Ok(proven) => proven.then_some(asked),
+                    // Its answer is still unread on the connection, where the next statement would
+                    // read it as its own.
+                    Err(None) => return None,
+                    Err(Some(_)) => None,
+                };
+            Some(SideConnection { conn, proven_at })
+        }
     }
 
     /// `KILL QUERY` from a side connection, repeated until the check answers: the first one can
     /// reach the server before the check itself does. Each is sent only once the side connection has
     /// proven that the id is still the lock's session running this guard's check
-    /// (`runs_our_check`): after a restart or a moved address the number can be a stranger's. A side
-    /// connection that the server has closed (one opened ahead can outlive its `wait_timeout` during
-    /// a long teardown) is replaced by a new one. Without a side connection, or without the proof,
-    /// the sleep simply runs out.
+    /// (`runs_our_check`): after a restart or a moved address the number can be a stranger's. The
+    /// proof made when the connection opened serves the first `KILL` only, and only if it was asked
+    /// less than the retry interval before: the gap between a proof and its `KILL` stays as short
+    /// as the retries keep it, since a proxy that keeps the client's connection across a backend's
+    /// restart could otherwise carry an old proof over to a stranger. A side connection
+    /// that the server has closed (one opened ahead can outlive its `wait_timeout` during a long
+    /// teardown) is replaced by a new one. Without a side connection, or without the proof, the
+    /// sleep simply runs out.
     async fn interrupt<'a, F>(
         &'a self,
         mut check: Pin<&'a mut F>,
-        ahead: Option<Conn>,
+        ahead: Option<SideConnection>,
     ) -> CheckResult
     where
         F: Future<Output = CheckResult> + Send + 'a,
@@ -144,10 +164,10 @@ impl SessionWatcher for Watcher {
         let kill = format!("KILL QUERY {}", self.session_id);
         let mut side = ahead;
         let result = loop {
-            let conn = match side.as_mut() {
-                Some(conn) => conn,
+            let opened = match side.as_mut() {
+                Some(opened) => opened,
                 None => match self.open_interrupter().await {
-                    Some(conn) => side.insert(conn),
+                    Some(opened) => side.insert(opened),
                     None => {
                         debug!(
                             connection_id = self.session_id,
@@ -157,14 +177,23 @@ impl SessionWatcher for Watcher {
                     }
                 },
             };
-            let proof = runs_our_check(
-                conn,
-                &self.name,
-                self.session_id,
-                &self.holder_id,
-                INTERRUPT_TIMEOUT,
-            )
-            .await;
+            let fresh = opened
+                .proven_at
+                .take()
+                .is_some_and(|asked| asked.elapsed() < INTERRUPT_RETRY);
+            let conn = &mut opened.conn;
+            let proof = if fresh {
+                Ok(true)
+            } else {
+                runs_our_check(
+                    conn,
+                    &self.name,
+                    self.session_id,
+                    &self.holder_id,
+                    INTERRUPT_TIMEOUT,
+                )
+                .await
+            };
             // `None`: no answer in time, which leaves the answer unread on the side connection,
             // where the next statement would read it as its own (a stale proof, say): replaced.
             let sent = match proof {
@@ -193,7 +222,7 @@ impl SessionWatcher for Watcher {
             }
         };
         if let Some(side) = side {
-            let _ = timeout(INTERRUPT_TIMEOUT, side.disconnect()).await;
+            let _ = timeout(INTERRUPT_TIMEOUT, side.conn.disconnect()).await;
         }
         result
     }
@@ -217,27 +246,40 @@ impl SessionWatcher for Watcher {
 
 impl Watcher {
     async fn give_back(&self, mut conn: Conn) -> Result<(), LockError> {
+        let budget = self.timing.budget;
         // The record first, while the lock is still ours: the next holder starts at once. Only
-        // called once the app's tree is gone.
-        if let Some(sql) = &self.released_sql {
-            match timeout(self.timing.budget, conn.query_drop(sql)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    warn!(event = "lock_record_failed", error = %self.target.url.scrub(e), "cannot mark the lock record released; the next holder waits the takeover bound")
-                }
-                // Its answer is still unread on the session, where RELEASE_LOCK would read it as its
-                // own: closing the session frees the lock instead.
-                Err(_) => {
-                    warn!(event = "lock_record_failed", connection_id = self.session_id, "no answer while marking the lock record released; closed the session instead, which frees the lock, and the next holder waits the takeover bound");
-                    return Ok(());
+        // called once the app's tree is gone. Both in one round trip: the UPDATE commits before
+        // RELEASE_LOCK runs, and a failed UPDATE ends the query before it.
+        let released = match &self.released_sql {
+            Some(record) => {
+                let both = format!("{record}; {}", self.release_sql);
+                match timeout(budget, marked_then_released(&mut conn, both)).await {
+                    Ok(Ok(released)) => Ok(Ok(released)),
+                    Ok(Err(Step::Record(e))) => {
+                        warn!(event = "lock_record_failed", error = %self.target.url.scrub(e), "cannot mark the lock record released; the next holder waits the takeover bound");
+                        timeout(
+                            budget,
+                            conn.query_first::<Option<i64>, _>(&self.release_sql),
+                        )
+                        .await
+                    }
+                    Ok(Err(Step::Release(e))) => Ok(Err(e)),
+                    // An answer may still be unread on the session, where RELEASE_LOCK would read
+                    // it as its own: closing the session frees the lock instead.
+                    Err(_) => {
+                        warn!(event = "release_failed", connection_id = self.session_id, "no answer while marking the lock record released and releasing the lock; closed the session instead, which frees the lock, and the next holder waits the takeover bound unless the record was marked");
+                        return Ok(());
+                    }
                 }
             }
-        }
-        let released = timeout(
-            self.timing.budget,
-            conn.query_first::<Option<i64>, _>(&self.release_sql),
-        )
-        .await;
+            None => {
+                timeout(
+                    budget,
+                    conn.query_first::<Option<i64>, _>(&self.release_sql),
+                )
+                .await
+            }
+        };
         match released {
             Ok(Ok(Some(Some(1)))) => info!(
                 event = "lock_released",
@@ -268,4 +310,32 @@ impl Watcher {
         let _ = timeout(self.timing.budget, conn.disconnect()).await;
         Ok(())
     }
+}
+
+/// A side connection, authenticated (`KILL QUERY` needs the lock session's user), and when it
+/// when it asked for the proof that the lock's session runs this guard's check, if the answer
+/// when it opened was yes.
+pub(super) struct SideConnection {
+    conn: Conn,
+    proven_at: Option<Deadline>,
+}
+
+/// Which of `marked_then_released`'s two statements failed.
+enum Step {
+    Record(mysql_async::Error),
+    Release(mysql_async::Error),
+}
+
+/// Runs `both` (the record's UPDATE, then RELEASE_LOCK) and reads RELEASE_LOCK's answer.
+/// Only the first answer is the UPDATE's: the driver reads the next statement's header as it ends
+/// a result, so RELEASE_LOCK's error surfaces while the UPDATE's empty result is read.
+async fn marked_then_released(conn: &mut Conn, both: String) -> Result<Option<Option<i64>>, Step> {
+    let mut answer = conn.query_iter(both).await.map_err(Step::Record)?;
+    let released = async {
+        answer.collect::<mysql_async::Row>().await?;
+        let released = answer.collect::<Option<i64>>().await?;
+        answer.drop_result().await?;
+        Ok(released.into_iter().next())
+    };
+    released.await.map_err(Step::Release)
 }
