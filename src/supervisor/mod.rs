@@ -420,6 +420,10 @@ async fn teardown(
     };
     let mut signalled: HashSet<Pid> = signal_app(app, cgroup, current).into_iter().collect();
     announce();
+    // The first signal is out: the tasks `announce` woke run now (the lock's getting ready for its
+    // release opens a connection), not once the tree is gone, which a tree that is already gone
+    // (an app that ended on its own) would be at the first look, before anything else could run.
+    tokio::task::yield_now().await;
     let mut kill_timer = AsyncBootTimer::new(kill_by).ok();
     let mut logged = false;
     let mut unreadable_logged = false;
