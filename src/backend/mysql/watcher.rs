@@ -134,8 +134,12 @@ impl SessionWatcher for Watcher {
                 match runs_our_check(&mut conn, &name, id, &holder_id, INTERRUPT_TIMEOUT).await {
                     Ok(proven) => proven.then_some(asked),
                     // Its answer is still unread on the connection, where the next statement would
-                    // read it as its own.
-                    Err(None) => return None,
+                    // read it as its own: a new one, proven when used, so that a slow first proof
+                    // does not end the interrupting.
+                    Err(None) => {
+                        conn = connect(&target, INTERRUPT_TIMEOUT).await.ok()?;
+                        None
+                    }
                     Err(Some(_)) => None,
                 };
             Some(SideConnection { conn, proven_at })
@@ -268,6 +272,8 @@ impl Watcher {
                     // it as its own: closing the session frees the lock instead.
                     Err(_) => {
                         warn!(event = "release_failed", connection_id = self.session_id, "no answer while marking the lock record released and releasing the lock; closed the session instead, which frees the lock, and the next holder waits the takeover bound unless the record was marked");
+                        // Closed without reading the rest: dropped, the driver would wait for it.
+                        let _ = timeout(budget, conn.disconnect()).await;
                         return Ok(());
                     }
                 }
@@ -313,8 +319,8 @@ impl Watcher {
 }
 
 /// A side connection, authenticated (`KILL QUERY` needs the lock session's user), and when it
-/// when it asked for the proof that the lock's session runs this guard's check, if the answer
-/// when it opened was yes.
+/// asked for the proof that the lock's session runs this guard's check, if the answer it got as it
+/// opened was yes.
 pub(super) struct SideConnection {
     conn: Conn,
     proven_at: Option<Deadline>,
@@ -327,8 +333,8 @@ enum Step {
 }
 
 /// Runs `both` (the record's UPDATE, then RELEASE_LOCK) and reads RELEASE_LOCK's answer.
-/// Only the first answer is the UPDATE's: the driver reads the next statement's header as it ends
-/// a result, so RELEASE_LOCK's error surfaces while the UPDATE's empty result is read.
+/// Once `query_iter` has answered, the UPDATE has succeeded: any error after that is RELEASE_LOCK's,
+/// whichever read brings it (the driver reads the next statement's header as it ends a result).
 async fn marked_then_released(conn: &mut Conn, both: String) -> Result<Option<Option<i64>>, Step> {
     let mut answer = conn.query_iter(both).await.map_err(Step::Record)?;
     let released = async {
