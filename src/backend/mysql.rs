@@ -194,7 +194,8 @@ const SESSION_HOST: &str =
 /// unknown variable, and nothing of the query has run; so is a MariaDB built without `wsrep_on`,
 /// after the SET, which the one-by-one set-up makes again.
 async fn settle_at_once(conn: &mut Conn, wanted: u64) -> Result<Settled, mysql_async::Error> {
-    let (limit, safety) = if conn.server_version().0 >= 10 {
+    let mariadb = conn.server_version().0 >= 10;
+    let (limit, safety) = if mariadb {
         ("max_statement_time", MARIADB_SAFETY_QUERY)
     } else {
         ("max_execution_time", SAFETY_QUERY)
@@ -211,15 +212,12 @@ async fn settle_at_once(conn: &mut Conn, wanted: u64) -> Result<Settled, mysql_a
     let read_back = answer.collect::<(Option<u64>, Option<String>)>().await?;
     answer.drop_result().await?;
     let (kept, host) = read_back.into_iter().next().unwrap_or_default();
-    let guessed_wrong = safety == MARIADB_SAFETY_QUERY
-        && !vars
-            .iter()
-            .any(|(name, value)| name == "mariadb" && value == "yes");
-    let vars = if guessed_wrong {
-        conn.query(SAFETY_QUERY).await?
-    } else {
-        vars
-    };
+    let said_mariadb = vars
+        .iter()
+        .any(|(name, value)| name == "mariadb" && value == "yes");
+    if mariadb && !said_mariadb {
+        return Ok((conn.query(SAFETY_QUERY).await?, kept, host));
+    }
     Ok((vars, kept, host))
 }
 

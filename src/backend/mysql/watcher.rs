@@ -153,10 +153,10 @@ impl SessionWatcher for Watcher {
     /// proof made when the connection opened serves the first `KILL` only, and only if it was asked
     /// less than the retry interval before: the gap between a proof and its `KILL` stays as short
     /// as the retries keep it, since a proxy that keeps the client's connection across a backend's
-    /// restart could otherwise carry an old proof over to a stranger. A side connection
-    /// that the server has closed (one opened ahead can outlive its `wait_timeout` during a long
-    /// teardown) is replaced by a new one. Without a side connection, or without the proof, the
-    /// sleep simply runs out.
+    /// restart could otherwise carry an old proof over to a stranger. A side connection that the
+    /// server has closed (one opened ahead can outlive its `wait_timeout` during a long teardown)
+    /// is replaced by a new one. Without a side connection, or without the proof, the sleep simply
+    /// runs out.
     async fn interrupt<'a, F>(
         &'a self,
         mut check: Pin<&'a mut F>,
