@@ -25,21 +25,10 @@ async fn end_on(
     conn: &mut Conn,
     target: &MysqlTarget,
 ) -> Result<String, String> {
-    let ours = runs_our_check(
-        conn,
-        &farewell.name,
-        farewell.session_id,
-        &farewell.holder_id,
-        farewell.timeout,
-    )
-    .await
-    .map_err(|e| match e {
-        Some(e) => target.url.scrub(e),
-        None => "no answer to the session's proof".to_owned(),
-    })?;
     // The tree is gone (the watchdog says farewell only then): a record still held by the dead
     // guard says so, whether or not its session still holds the lock. One the next holder wrote
-    // is not the dead guard's, and is left as it is.
+    // is not the dead guard's, and is left as it is. Marked before the proof, which the KILL then
+    // follows at once: an UPDATE in between (it can wait for a row lock) would age the proof.
     let marked = timeout(
         farewell.timeout,
         conn.query_drop(record_table::mark_sql(
@@ -60,6 +49,18 @@ async fn end_on(
             ))
         }
     }
+    let ours = runs_our_check(
+        conn,
+        &farewell.name,
+        farewell.session_id,
+        &farewell.holder_id,
+        farewell.timeout,
+    )
+    .await
+    .map_err(|e| match e {
+        Some(e) => target.url.scrub(e),
+        None => "no answer to the session's proof".to_owned(),
+    })?;
     if !ours {
         return Ok(format!(
             "left connection {}: it no longer holds the lock while running the dead guard's check",

@@ -150,10 +150,8 @@ impl SessionWatcher for Watcher {
     /// reach the server before the check itself does. Each is sent only once the side connection has
     /// proven that the id is still the lock's session running this guard's check
     /// (`runs_our_check`): after a restart or a moved address the number can be a stranger's. The
-    /// proof made when the connection opened serves the first `KILL` only, and only if it was asked
-    /// less than the retry interval before: the gap between a proof and its `KILL` stays as short
-    /// as the retries keep it, since a proxy that keeps the client's connection across a backend's
-    /// restart could otherwise carry an old proof over to a stranger. A side connection that the
+    /// proof made when the connection opened serves the first `KILL` only, and only while it is
+    /// fresh (`AHEAD_PROOF_FRESH`). A side connection that the
     /// server has closed (one opened ahead can outlive its `wait_timeout` during a long teardown)
     /// is replaced by a new one. Without a side connection, or without the proof, the sleep simply
     /// runs out.
@@ -184,7 +182,7 @@ impl SessionWatcher for Watcher {
             let fresh = opened
                 .proven_at
                 .take()
-                .is_some_and(|asked| asked.elapsed() < INTERRUPT_RETRY);
+                .is_some_and(|asked| asked.elapsed() < AHEAD_PROOF_FRESH);
             let conn = &mut opened.conn;
             let proof = if fresh {
                 Ok(true)
@@ -317,6 +315,13 @@ impl Watcher {
         Ok(())
     }
 }
+
+/// How young a proof made as the side connection opened must be to serve the first `KILL QUERY`:
+/// a restart that gives the id to a stranger also ends the side connection, but a proxy that keeps
+/// the client's connection across a backend's restart (or sends each statement to any backend)
+/// would carry an old proof over to a stranger. A few milliseconds cover a release that follows a
+/// short teardown; past them the `KILL` is proven anew, one round trip after its proof, as before.
+const AHEAD_PROOF_FRESH: Duration = Duration::from_millis(5);
 
 /// A side connection, authenticated (`KILL QUERY` needs the lock session's user), and when it
 /// asked for the proof that the lock's session runs this guard's check, if the answer it got as it
