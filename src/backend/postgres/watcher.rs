@@ -271,19 +271,28 @@ impl CancelStream {
 
 impl Watcher {
     async fn give_back(&self, client: Client) -> Result<(), LockError> {
+        let budget = self.timing.budget;
         // The record first, while the lock is still ours: the next holder starts at once. Only
-        // called once the app's tree is gone.
-        if let Some(sql) = &self.released_sql {
-            if let Err(failure) = query(&client, sql, self.timing.budget).await {
-                let error = match failure {
-                    Failure::Db(e) => self.target.explain(e),
-                    Failure::Timeout => "no answer".to_owned(),
-                };
-                warn!(event = "lock_record_failed", error = %error, "cannot mark the lock record released; the next holder waits the takeover bound");
+        // called once the app's tree is gone. Both sent at once, in this order: the driver queues
+        // a request when it is first polled, which `join!` does in the order written, and the
+        // server runs them in turn, each its own transaction, so the record is committed before
+        // the unlock runs, one round trip for both, and a failed record leaves the unlock to run.
+        let marked = async {
+            match &self.released_sql {
+                Some(sql) => query(&client, sql, budget).await.err(),
+                None => None,
             }
+        };
+        let unlock = format!("SELECT pg_advisory_unlock({})", self.key);
+        let (failed, unlocked) = tokio::join!(marked, query(&client, &unlock, budget));
+        if let Some(failure) = failed {
+            let error = match failure {
+                Failure::Db(e) => self.target.explain(e),
+                Failure::Timeout => "no answer".to_owned(),
+            };
+            warn!(event = "lock_record_failed", error = %error, "cannot mark the lock record released; the next holder waits the takeover bound");
         }
-        let sql = format!("SELECT pg_advisory_unlock({})", self.key);
-        match query(&client, &sql, self.timing.budget).await {
+        match unlocked {
             Ok(rows) if rows.first().is_some_and(|row| is_true(row, 0)) => info!(
                 event = "lock_released",
                 backend_pid = self.pid,
