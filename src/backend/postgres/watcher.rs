@@ -274,8 +274,8 @@ impl Watcher {
         let budget = self.timing.budget;
         // The record first, while the lock is still ours: the next holder starts at once. Only
         // called once the app's tree is gone. Both sent at once, in this order: the driver queues
-        // a request when it is first polled, which `join!` does in the order written, and the
-        // server runs them in turn, each its own transaction, so the record is committed before
+        // a request when it is first polled, which a biased `join!` does in the order written, and
+        // the server runs them in turn, each its own transaction, so the record is committed before
         // the unlock runs, one round trip for both, and a failed record leaves the unlock to run.
         let marked = async {
             match &self.released_sql {
@@ -284,13 +284,13 @@ impl Watcher {
             }
         };
         let unlock = format!("SELECT pg_advisory_unlock({})", self.key);
-        let (failed, unlocked) = tokio::join!(marked, query(&client, &unlock, budget));
+        let (failed, unlocked) = tokio::join!(biased; marked, query(&client, &unlock, budget));
         if let Some(failure) = failed {
             let error = match failure {
                 Failure::Db(e) => self.target.explain(e),
                 Failure::Timeout => "no answer".to_owned(),
             };
-            warn!(event = "lock_record_failed", error = %error, "cannot mark the lock record released; the next holder waits the takeover bound");
+            warn!(event = "lock_record_failed", error = %error, "cannot mark the lock record released; the next holder waits the takeover bound unless a late answer marked it");
         }
         match unlocked {
             Ok(rows) if rows.first().is_some_and(|row| is_true(row, 0)) => info!(
@@ -316,7 +316,8 @@ impl Watcher {
                 "pg_advisory_unlock timed out; closing the connection frees the lock"
             ),
         }
-        // Dropping the client ends the session, which frees the lock even where the unlock failed.
+        // Dropping the client ends the session once what was sent has been answered (or the guard
+        // exits), which frees the lock even where the unlock failed.
         drop(client);
         Ok(())
     }
