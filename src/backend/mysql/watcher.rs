@@ -151,10 +151,9 @@ impl SessionWatcher for Watcher {
     /// proven that the id is still the lock's session running this guard's check
     /// (`runs_our_check`): after a restart or a moved address the number can be a stranger's. The
     /// proof made when the connection opened serves the first `KILL` only, and only while it is
-    /// fresh (`AHEAD_PROOF_FRESH`). A side connection that the
-    /// server has closed (one opened ahead can outlive its `wait_timeout` during a long teardown)
-    /// is replaced by a new one. Without a side connection, or without the proof, the sleep simply
-    /// runs out.
+    /// fresh (`AHEAD_PROOF_FRESH`). A side connection that the server has closed (one opened ahead
+    /// can outlive its `wait_timeout` during a long teardown) is replaced by a new one. Without a
+    /// side connection, or without the proof, the sleep simply runs out.
     async fn interrupt<'a, F>(
         &'a self,
         mut check: Pin<&'a mut F>,
